@@ -1,0 +1,153 @@
+"""The one place that launches Triton kernels from JAX.
+
+On a CUDA GPU: `jax_triton.triton_call` (the real custom call). Anywhere else: the very same
+kernel through Triton's interpreter inside `jax.pure_callback`, which needs TRITON_INTERPRET=1
+in the environment before triton is first imported. Kernels are always launched as
+`kernel(*inputs, *scalars, *outputs, **constexprs)`.
+
+Import hygiene: nothing here imports triton, torch or jax_triton at module import; jax_triton
+0.3.1 blanks TRITON_CACHE_DIR when imported, so we restore it right after.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_INTERPRET_LOCK = threading.Lock()  # the interpreter is not thread-safe
+
+
+def on_cuda_gpu() -> bool:
+    """True when JAX's default backend is a CUDA GPU (where the compiled path runs)."""
+    try:
+        return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+    except Exception:  # noqa: BLE001 - any failure to query means no CUDA GPU
+        return jax.default_backend() == "gpu"
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms() -> int:
+    """Multiprocessor count of the default device (the launch heuristics' input)."""
+    from jax_fusedloss.kernels.launch import DEFAULT_NUM_SMS
+
+    if on_cuda_gpu():
+        return int(getattr(jax.devices()[0], "core_count", DEFAULT_NUM_SMS))
+    return DEFAULT_NUM_SMS
+
+
+def check_triton_available() -> None:
+    """Raises NotImplementedError when the "triton" implementation cannot run in this process."""
+    if on_cuda_gpu():
+        return
+    if not interpreter_enabled():
+        raise NotImplementedError(
+            'implementation="triton" needs a CUDA GPU, or Triton\'s interpreter on other '
+            "machines: set TRITON_INTERPRET=1 in the environment before triton is imported "
+            "(and install torch, which the interpreter uses for host buffers).")
+
+
+@functools.lru_cache(maxsize=1)
+def _jax_triton():
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        import jax_triton
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
+    return jax_triton
+
+
+def _to_torch(a: np.ndarray):
+    import torch
+
+    a = np.array(a, copy=True)  # writable and contiguous
+    if a.dtype == jnp.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _to_numpy(t) -> np.ndarray:
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(jnp.bfloat16)
+    return t.numpy()
+
+
+def _torch_dtype(dtype):
+    import torch
+
+    return {np.dtype(jnp.bfloat16): torch.bfloat16, np.dtype(np.float16): torch.float16,
+            np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32,
+            np.dtype(np.int64): torch.int64}[np.dtype(dtype)]
+
+
+def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
+    import torch
+
+    def host(*arrays):
+        with _INTERPRET_LOCK:
+            ins = [_to_torch(a) for a in arrays]
+            outs = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+            for i, o in aliases.items():  # emulate aliasing: the output starts as the input
+                outs[o] = ins[i].clone()
+            kernel[grid](*ins, *scalars, *outs, **constexprs)
+            return tuple(_to_numpy(o) for o in outs)
+
+    return jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
+
+
+def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
+           scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
+           num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
+           input_output_aliases: dict[int, int] | None = None) -> tuple[jax.Array, ...]:
+    """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
+
+    Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
+    maps an input index to an output index: on the GPU the output reuses the input's buffer
+    (XLA copies it first if the input is still live), in the interpreter it starts as a copy.
+    """
+    check_triton_available()
+    constexprs = dict(constexprs or {})
+    aliases = dict(input_output_aliases or {})
+    scalars = [np.float32(s) if isinstance(s, float) else s for s in scalars]
+    if on_cuda_gpu():
+        outs = _jax_triton().triton_call(
+            *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
+            num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
+            **constexprs)
+        return tuple(outs)
+    return _interpret(kernel, grid, inputs, [float(s) if isinstance(s, np.floating) else s
+                                             for s in scalars],
+                      out_shapes, constexprs, aliases)
+
+
+def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:
+    """Makes `fn(*arrays)`, whose arrays and outputs all lead with one row axis, vmappable.
+
+    jax-triton has no batching rule, so a vmapped call folds the batch axis into rows.
+    """
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        flat = []
+        for a, batched in zip(args, in_batched):
+            if not batched:
+                a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+            flat.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
+        outs = wrapped(*flat)
+        outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
+        return outs, tuple(True for _ in outs)
+
+    return wrapped

@@ -1,0 +1,268 @@
+"""Fused cross-entropy: public function, validation, custom_vjp and the Triton launches."""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss._xla import cross_entropy as _xla_ce
+
+
+class CEOptions(NamedTuple):
+    ignore_index: int
+    reduction: str
+    smoothing: float
+    z_loss: float
+    softcap: float | None
+    return_lse: bool
+    implementation: str
+
+
+# ----------------------------------------------------------------------------- Triton launches
+def _kernels():
+    from jax_fusedloss.kernels import cross_entropy as k
+    from jax_fusedloss.kernels.launch import row_config
+
+    return k, row_config
+
+
+def _flags(opts: CEOptions) -> dict:
+    return dict(HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.smoothing > 0)
+
+
+def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
+    """Per-row (loss, lse, coef) and, if write_grad, the unit-cotangent gradient."""
+    k, row_config = _kernels()
+    f32 = jnp.float32
+
+    def body(x, y, row_scale):
+        n, vocab = x.shape
+        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
+        softcap = float(opts.softcap or 1.0)
+        row_outs = [jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n,), f32),
+                    jax.ShapeDtypeStruct((n, 3), f32)]
+        if cfg.num_splits == 1:
+            grad_shape = (n, vocab) if write_grad else (1,)
+            outs = _triton_jax.launch(
+                k.ce_fwd_kernel, grid=(n,), inputs=[x, y, row_scale],
+                scalars=[vocab, vocab, opts.ignore_index, opts.smoothing, opts.z_loss, softcap],
+                out_shapes=row_outs + [jax.ShapeDtypeStruct(grad_shape, x.dtype)],
+                num_warps=cfg.num_warps,
+                constexprs=dict(BLOCK_V=cfg.block_v, HAS_ZLOSS=opts.z_loss > 0,
+                                WRITE_GRAD=write_grad, **_flags(opts)))
+            return outs if write_grad else outs[:3]
+        (part,) = _triton_jax.launch(
+            k.ce_partial_kernel, grid=(n, cfg.num_splits), inputs=[x, y],
+            scalars=[vocab, vocab, softcap],
+            out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)],
+            num_warps=cfg.num_warps,
+            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, **_flags(opts)))
+        loss, lse, coef = _triton_jax.launch(
+            k.ce_merge_kernel, grid=(n,), inputs=[part, y, row_scale],
+            scalars=[vocab, opts.ignore_index, opts.smoothing, opts.z_loss], out_shapes=row_outs,
+            num_warps=1,
+            constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
+                            HAS_SMOOTHING=opts.smoothing > 0, HAS_ZLOSS=opts.z_loss > 0))
+        if not write_grad:
+            return loss, lse, coef
+        return loss, lse, coef, _triton_rows_bwd_body(x, y, lse, coef, opts)
+
+    return _triton_jax.rowwise(body)(x, y, row_scale)
+
+
+def _triton_rows_bwd_body(x, y, lse, coef, opts: CEOptions):
+    k, row_config = _kernels()
+    n, vocab = x.shape
+    cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
+    (grad,) = _triton_jax.launch(
+        k.ce_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, y, lse, coef],
+        scalars=[vocab, vocab, opts.ignore_index, float(opts.softcap or 1.0)],
+        out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
+        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v,
+                        HAS_SOFTCAP=opts.softcap is not None))
+    return grad
+
+
+def _triton_rows_bwd(x, y, lse, coef, opts: CEOptions):
+    body = functools.partial(_triton_rows_bwd_body, opts=opts)
+    return _triton_jax.rowwise(lambda x, y, lse, coef: (body(x, y, lse, coef),))(x, y, lse, coef)[0]
+
+
+def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
+    """grad * cot[:, None] in place (rows with cot == 1 are skipped) through a Triton kernel."""
+    from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
+
+    def body(grad, cot):
+        n, vocab = grad.shape
+        block = min(1 << (vocab - 1).bit_length(), 16384 // grad.dtype.itemsize)
+        return _triton_jax.launch(
+            scale_rows_kernel, grid=(n,), inputs=[grad, cot], scalars=[vocab],
+            out_shapes=[jax.ShapeDtypeStruct(grad.shape, grad.dtype)], num_warps=8,
+            constexprs=dict(BLOCK_V=block), input_output_aliases={0: 0})
+
+    return _triton_jax.rowwise(body)(grad, cot)[0]
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+class _Backend(NamedTuple):
+    rows_fwd: object  # (x, y, row_scale, opts) -> (loss, lse, coef)
+    rows_bwd: object  # (x, y, lse, coef, opts) -> grad
+    rows_fwd_grad: object  # (x, y, row_scale, opts) -> (loss, lse, coef, grad), or None
+
+
+_BACKENDS = {
+    "triton": _Backend(functools.partial(_triton_rows_fwd, write_grad=False), _triton_rows_bwd,
+                       functools.partial(_triton_rows_fwd, write_grad=True)),
+    "xla": _Backend(_xla_ce.rows_fwd, _xla_ce.rows_bwd, None),
+}
+
+
+def _denominator(y, opts: CEOptions):
+    if opts.reduction != "mean":
+        return jnp.float32(1.0)
+    return jnp.maximum(jnp.sum(y != opts.ignore_index), 1).astype(jnp.float32)
+
+
+def _reduce(loss_rows, denom, opts: CEOptions):
+    if opts.reduction == "none":
+        return loss_rows
+    return jnp.sum(loss_rows) / denom
+
+
+def _row_cotangent(g_loss, n, opts: CEOptions):
+    return g_loss.astype(jnp.float32) if opts.reduction == "none" else jnp.broadcast_to(
+        g_loss.astype(jnp.float32), (n,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ce(x, y, opts: CEOptions):
+    denom = _denominator(y, opts)
+    row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
+    loss, lse, _ = _BACKENDS[opts.implementation].rows_fwd(x, y, row_scale, opts)
+    return _reduce(loss, denom, opts), lse
+
+
+def _ce_fwd(x, y, opts: CEOptions):
+    backend = _BACKENDS[opts.implementation]
+    denom = _denominator(y, opts)
+    row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
+    if backend.rows_fwd_grad is not None and not opts.return_lse:
+        # The gradient for a unit cotangent is written in the same pass as the loss: one read
+        # of the logits in all. The backward only rescales rows whose cotangent is not 1.
+        loss, lse, _, grad = backend.rows_fwd_grad(x, y, row_scale, opts)
+        return (_reduce(loss, denom, opts), lse), (grad, None, None, None, None)
+    loss, lse, coef = backend.rows_fwd(x, y, row_scale, opts)
+    return (_reduce(loss, denom, opts), lse), (None, x, y, lse, coef)
+
+
+def _ce_bwd(opts: CEOptions, res, cts):
+    grad, x, y, lse, coef = res
+    g_loss, g_lse = cts
+    if grad is not None:
+        return scale_rows(grad, _row_cotangent(g_loss, grad.shape[0], opts)), None
+    cot = _row_cotangent(g_loss, x.shape[0], opts)
+    coef = coef * cot[:, None]
+    coef = coef.at[:, 0].add(g_lse.astype(jnp.float32))
+    return _BACKENDS[opts.implementation].rows_bwd(x, y, lse, coef, opts), None
+
+
+_ce.defvjp(_ce_fwd, _ce_bwd)
+
+
+def _impl(name: str):
+    def run(x, y, opts: CEOptions):
+        if name == "triton":
+            _triton_jax.check_triton_available()
+        return _ce(x, y, opts._replace(implementation=name))
+
+    return run
+
+
+# ----------------------------------------------------------------------------- public API
+def cross_entropy(
+    logits: jax.Array,
+    labels: jax.Array,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    r"""Fused softmax cross-entropy over the last axis, without `[N, V]` float32 temporaries.
+
+    For a token with label :math:`y` that is not `ignore_index`, with
+    :math:`z = c \tanh(x / c)` when `logit_softcap=c` is set (else :math:`z = x`),
+    :math:`\mathrm{lse} = \log\sum_j e^{z_j}` and :math:`\epsilon` = `label_smoothing`:
+
+    .. math::
+        \ell = (1-\epsilon)(\mathrm{lse} - z_y) + \epsilon(\mathrm{lse} - \tfrac{1}{V}\sum_j z_j)
+               + \lambda_z \mathrm{lse}^2
+
+    which is `torch.nn.functional.cross_entropy(..., label_smoothing=eps)` plus PaLM's z-loss
+    (Chowdhery et al., 2022). Ignored tokens add 0 and get a zero gradient.
+
+    The logits are read once per pass with an online softmax (Milakov & Gimelshein, 2018).
+    Under differentiation the Triton forward also writes the gradient for a unit cotangent, so
+    forward + backward reads the logits once and writes their gradient once; the backward only
+    rescales rows whose cotangent is not exactly 1 (e.g. a loss multiplied by a weight).
+
+    Args:
+      logits: `[..., V]` float32, bfloat16 or float16.
+      labels: `[...]` integer class ids in `[0, V)`, or `ignore_index`.
+      ignore_index: label value whose tokens are skipped.
+      reduction: "mean" (over non-ignored tokens; 0 when there are none), "sum" or "none"
+        (float32 `[...]`, 0 at ignored tokens).
+      label_smoothing: epsilon in [0, 1].
+      z_loss: coefficient of `lse**2`, >= 0.
+      logit_softcap: c > 0 for `c * tanh(logits / c)` (Gemma-2 style), or None.
+      return_lse: also return float32 `[...]` lse of z for every token, ignored or not
+        (differentiable too).
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
+      Its gradient w.r.t. `logits` has the logits' dtype.
+
+    Raises:
+      TypeError / ValueError at trace time for non-float logits, non-integer labels, a shape
+      mismatch, or an unknown option.
+
+    A label outside `[0, V)` that is not `ignore_index` is never used as an address: that
+    token's loss is NaN (so a "mean" or "sum" is NaN too, loudly) and its gradient row is NaN;
+    other tokens' per-token losses and gradient rows are unaffected.
+
+    Example:
+      >>> logits = jax.random.normal(jax.random.key(0), (4, 8, 1000))
+      >>> labels = jax.random.randint(jax.random.key(1), (4, 8), 0, 1000)
+      >>> loss, grad = jax.value_and_grad(cross_entropy)(logits, labels)
+    """
+    _common.check_logits(logits)
+    _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
+    _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
+    _common.check_implementation(implementation)
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
+    if float(z_loss) < 0:
+        raise ValueError(f"z_loss={z_loss} must be >= 0")
+    if logit_softcap is not None and not float(logit_softcap) > 0:
+        raise ValueError(f"logit_softcap={logit_softcap} must be > 0 or None")
+    opts = CEOptions(int(ignore_index), reduction, float(label_smoothing), float(z_loss),
+                     None if logit_softcap is None else float(logit_softcap), bool(return_lse),
+                     "")
+    lead = labels.shape
+    x = _common.flatten_rows(logits)
+    y = labels.reshape(-1).astype(jnp.int32)
+    if x.shape[0] == 0:
+        loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+        return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
+    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
+    loss, lse = _common.dispatch(impls, implementation, x, y, opts)
+    if reduction == "none":
+        loss = loss.reshape(lead)
+    return (loss, lse.reshape(lead)) if return_lse else loss

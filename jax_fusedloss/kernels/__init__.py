@@ -1,0 +1,1 @@
+"""Framework-free Triton kernels (import triton only) and their launch heuristics."""

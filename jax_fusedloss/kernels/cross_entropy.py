@@ -1,0 +1,224 @@
+"""Fused cross-entropy kernels: forward (optionally writing the gradient), split merge, backward.
+
+Per row, with z = softcap * tanh(x / softcap) (or z = x), lse = logsumexp(z), eps = smoothing:
+    loss = (1 - eps) * (lse - z[y]) + eps * (lse - mean(z)) + z_loss * lse**2
+    dloss/dz_j = a * softmax(z)_j - b * [j == y] - c,
+    a = scale * (1 + 2 * z_loss * lse), b = scale * (1 - eps), c = scale * eps / V,
+where `scale` is the per-row gradient scale (0 for ignored rows). A label outside [0, V) that
+is not ignore_index gives NaN loss and a NaN gradient row; it is never used as an address.
+
+Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
+launch them identically. Imports triton only.
+"""
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels._online import load_tile, stats_to_lse, tile_update
+
+
+@triton.jit
+def _label_state(labels_ptr, row, V, ignore_index):
+    label = tl.load(labels_ptr + row).to(tl.int32)
+    ignored = label == ignore_index
+    bad = (~ignored) & ((label < 0) | (label >= V))
+    return label, ignored, bad
+
+
+@triton.jit
+def _ce_slice_stats(row_ptr, label, start, stop, inv_temp, softcap,
+                    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """(max, sum exp(z - max), sum z, z[label] if label in [start, stop) else 0) of one slice."""
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    sumz = tl.zeros([], tl.float32)
+    for off in range(start, stop, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < stop
+        z, _ = load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP)
+        m, s = tile_update(m, s, z)
+        if HAS_SMOOTHING:
+            sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    in_slice = (label >= start) & (label < stop)
+    zy, _ = load_tile(row_ptr, tl.where(in_slice, label, start), in_slice, inv_temp, softcap,
+                      HAS_SOFTCAP)
+    zy = tl.where(in_slice, zy, 0.0)
+    return m, s, sumz, zy
+
+
+@triton.jit
+def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                   HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """Per-row loss and the unit-cotangent gradient coefficients (a, b, c)."""
+    loss = (1.0 - smoothing) * (lse - zy)
+    a = scale
+    if HAS_SMOOTHING:
+        loss += smoothing * (lse - sumz / V)
+    if HAS_ZLOSS:
+        loss += z_loss * lse * lse
+        a = scale * (1.0 + 2.0 * z_loss * lse)
+    loss = tl.where(ignored, 0.0, loss)
+    loss = tl.where(bad, float("nan"), loss)
+    return loss, a, scale * (1.0 - smoothing), scale * smoothing / V
+
+
+@triton.jit
+def _ce_grad_slice(row_ptr, grad_row_ptr, label, bad, lse, a, b, c, start, stop, inv_temp,
+                   softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop).
+
+    Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
+    still sit in L2 when the fused kernel comes back for them.
+    """
+    lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    n_tiles = tl.cdiv(stop - start, BLOCK_V)
+    for i in range(0, n_tiles):
+        cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < stop
+        z, dz = load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP)
+        p = tl.exp(z - lse_safe)
+        g = (a * p - tl.where(cols == label, b, 0.0) - c) * dz
+        g = tl.where(bad, float("nan"), g)
+        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ce_fwd_kernel(
+    # pointers
+    logits_ptr, labels_ptr, row_scale_ptr,
+    # sizes, strides, options
+    V, stride_row, ignore_index, smoothing, z_loss, softcap,
+    # outputs
+    loss_ptr, lse_ptr, coef_ptr, grad_ptr,
+    # constexprs
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+):
+    """Row path, one program per row: loss, lse, gradient coefficients and, if WRITE_GRAD,
+    the gradient for a unit cotangent (scaled by row_scale) in the same program."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    m, s, sumz, zy = _ce_slice_stats(row_ptr, label, 0, V, 1.0, softcap, BLOCK_V, HAS_SOFTCAP,
+                                     HAS_SMOOTHING)
+    lse = stats_to_lse(m, s)
+    scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
+    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                                   HAS_SMOOTHING, HAS_ZLOSS)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    tl.store(coef_ptr + row * 3, a)
+    tl.store(coef_ptr + row * 3 + 1, b)
+    tl.store(coef_ptr + row * 3 + 2, c)
+    if WRITE_GRAD:
+        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, bad, lse, a, b, c, 0, V, 1.0,
+                       softcap, BLOCK_V, HAS_SOFTCAP)
+
+
+@triton.jit
+def ce_partial_kernel(
+    # pointers
+    logits_ptr, labels_ptr,
+    # sizes, strides, options
+    V, stride_row, softcap,
+    # outputs: float32 [N, NUM_SPLITS, 4] = (max, sum, sum z, z[y] or 0)
+    part_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+):
+    """Split path, grid (N, NUM_SPLITS): partial statistics of one vocabulary slice."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    num_splits = tl.num_programs(1)
+    start = split * SPLIT_V
+    stop = tl.minimum(start + SPLIT_V, V)
+    label = tl.load(labels_ptr + row).to(tl.int32)
+    m, s, sumz, zy = _ce_slice_stats(logits_ptr + row * stride_row, label, start, stop, 1.0,
+                                     softcap, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING)
+    out = part_ptr + (row * num_splits + split) * 4
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, sumz)
+    tl.store(out + 3, zy)
+
+
+@triton.jit
+def ce_merge_kernel(
+    # pointers
+    part_ptr, labels_ptr, row_scale_ptr,
+    # sizes, options
+    V, ignore_index, smoothing, z_loss,
+    # outputs
+    loss_ptr, lse_ptr, coef_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+):
+    """Split path, grid (N,): merges a row's partials into loss, lse and coefficients."""
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK_S)
+    valid = idx < NUM_SPLITS
+    base = part_ptr + (row * NUM_SPLITS + idx) * 4
+    m_i = tl.load(base, mask=valid, other=float("-inf"))
+    s_i = tl.load(base + 1, mask=valid, other=0.0)
+    m = tl.max(m_i, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_i * tl.exp(m_i - m_safe), axis=0)
+    sumz = tl.sum(tl.load(base + 2, mask=valid, other=0.0), axis=0)
+    zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
+    lse = stats_to_lse(m, s)
+    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
+    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                                   HAS_SMOOTHING, HAS_ZLOSS)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    tl.store(coef_ptr + row * 3, a)
+    tl.store(coef_ptr + row * 3 + 1, b)
+    tl.store(coef_ptr + row * 3 + 2, c)
+
+
+@triton.jit
+def ce_bwd_kernel(
+    # pointers
+    logits_ptr, labels_ptr, lse_ptr, coef_ptr,
+    # sizes, strides, options
+    V, stride_row, ignore_index, softcap,
+    # outputs
+    grad_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c)."""
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * SPLIT_V
+    stop = tl.minimum(start + SPLIT_V, V)
+    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    a = tl.load(coef_ptr + row * 3)
+    b = tl.load(coef_ptr + row * 3 + 1)
+    c = tl.load(coef_ptr + row * 3 + 2)
+    _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label, bad,
+                   tl.load(lse_ptr + row), a, b, c, start, stop, 1.0, softcap, BLOCK_V,
+                   HAS_SOFTCAP)
+
+
+@triton.jit
+def scale_rows_kernel(
+    # pointers
+    grad_in_ptr, cot_ptr,
+    # sizes
+    V,
+    # outputs (aliases grad_in on the GPU: rows whose cotangent is exactly 1 are not touched)
+    grad_out_ptr,
+    # constexprs
+    BLOCK_V: tl.constexpr,
+):
+    """Grid (N, cdiv(V, BLOCK_V)): grad_out[row] = grad_in[row] * cot[row], skipped if cot == 1."""
+    row = tl.program_id(0).to(tl.int64)
+    cot = tl.load(cot_ptr + row)
+    if cot != 1.0:
+        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < V
+        g = tl.load(grad_in_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_out_ptr + row * V + cols, (g * cot).to(grad_out_ptr.dtype.element_ty),
+                 mask=mask)
