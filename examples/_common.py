@@ -1,0 +1,270 @@
+"""Shared pieces of the examples: a small Flax NNX transformer, the losses, the training loop."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+import jax_fusedloss
+
+if __package__:
+    from examples._data import IGNORE_INDEX, LMData, batches
+else:
+    from _data import IGNORE_INDEX, LMData, batches
+
+# (model, aux, inputs, labels) -> scalar loss; `aux` is any extra pytree or module (a teacher).
+LossFn = Callable[[nnx.Module, Any, jax.Array, jax.Array], jax.Array]
+LOSS_IMPLS = ("fused", "optax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer: pre-RMSNorm blocks, learned positions, tied embeddings."""
+
+    vocab_size: int
+    seq_len: int
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dtype: str = "float32"  # compute dtype (and so the logits' dtype); parameters stay float32
+
+
+class Block(nnx.Module):
+    """One pre-norm transformer block: causal self-attention, then a GELU MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, dtype = cfg.d_model, jnp.dtype(cfg.dtype)
+        init = nnx.initializers.normal(0.02)
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.n_heads = cfg.n_heads
+        self.attn_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, dtype=dtype, kernel_init=init, rngs=rngs)
+        self.attn_out = nnx.Linear(d, d, use_bias=False, dtype=dtype, kernel_init=out_init,
+                                   rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(d, dtype=dtype, rngs=rngs)
+        self.mlp_in = nnx.Linear(d, cfg.mlp_ratio * d, use_bias=False, dtype=dtype,
+                                 kernel_init=init, rngs=rngs)
+        self.mlp_out = nnx.Linear(cfg.mlp_ratio * d, d, use_bias=False, dtype=dtype,
+                                  kernel_init=out_init, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        qkv = self.qkv(self.attn_norm(x)).reshape(b, t, 3, self.n_heads, d // self.n_heads)
+        attn = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
+                                            is_causal=True)
+        x = x + self.attn_out(attn.reshape(b, t, d))
+        return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class TransformerLM(nnx.Module):
+    """Token ids `[B, T]` -> next-token logits `[B, T, V]` in the compute dtype."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.d_model % cfg.n_heads:
+            raise ValueError(f"d_model={cfg.d_model} is not a multiple of n_heads={cfg.n_heads}")
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
+                               embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.pos = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(),
+                                                           (cfg.seq_len, cfg.d_model)))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.embed.attend(self.norm(x))
+
+
+def num_params(model: nnx.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ----------------------------------------------------------------------------- losses
+def lm_loss(logits: jax.Array, labels: jax.Array, *, impl: str, z_loss: float) -> jax.Array:
+    """Mean next-token cross-entropy + `z_loss * lse**2` over the tokens that are not padding.
+
+    `impl="fused"` calls `jax_fusedloss.cross_entropy`; `impl="optax"` computes the same
+    objective from `optax.softmax_cross_entropy_with_integer_labels` in float32 (optax has no
+    ignore index or z-loss, so the mask and the z-loss term are written out here).
+    """
+    if impl == "fused":
+        return jax_fusedloss.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX,
+                                           z_loss=z_loss)
+    if impl != "optax":
+        raise ValueError(f"loss implementation {impl!r} must be one of {LOSS_IMPLS}")
+    logits = logits.astype(jnp.float32)
+    mask = labels != IGNORE_INDEX
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    if z_loss:
+        per_token = per_token + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def ce_objective(impl: str, z_loss: float) -> LossFn:
+    """The language-model training objective as a `LossFn` (no auxiliary input)."""
+
+    def loss_fn(model: nnx.Module, aux: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        del aux
+        return lm_loss(model(x), y, impl=impl, z_loss=z_loss)
+
+    return loss_fn
+
+
+@nnx.jit
+def _eval_sums(model: nnx.Module, x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    loss = jax_fusedloss.cross_entropy(model(x), y, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, jnp.sum(y != IGNORE_INDEX)
+
+
+def evaluate(model: nnx.Module, inputs: np.ndarray, labels: np.ndarray, batch_size: int) -> float:
+    """Token-weighted mean cross-entropy (no z-loss, padding ignored) over a whole split."""
+    n = len(inputs)
+    pad = (-n) % batch_size  # pad to whole batches with ignored rows: one compiled shape
+    inputs = np.concatenate([inputs, np.zeros((pad, inputs.shape[1]), inputs.dtype)])
+    labels = np.concatenate([labels, np.full((pad, labels.shape[1]), IGNORE_INDEX, labels.dtype)])
+    total, count = 0.0, 0
+    for i in range(0, len(inputs), batch_size):
+        loss, cnt = _eval_sums(model, inputs[i:i + batch_size], labels[i:i + batch_size])
+        total += float(loss)
+        count += int(cnt)
+    return total / max(count, 1)
+
+
+# ----------------------------------------------------------------------------- training
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser and loop settings: AdamW with linear warm-up and cosine decay to lr / 10."""
+
+    steps: int
+    batch_size: int
+    lr: float = 3e-3
+    warmup_frac: float = 0.1
+    weight_decay: float = 0.1
+    seed: int = 0
+    eval_every: int = 0  # 0: ten evaluations over the run
+    log_every: int = 10
+    progress: bool = True
+
+
+def make_optimizer(model: nnx.Module, cfg: TrainConfig) -> nnx.Optimizer:
+    """AdamW (decay on matrices only) with warm-up + cosine decay and global-norm clipping."""
+    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=cfg.lr / 10)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def _make_step(loss_fn: LossFn):
+    @nnx.jit
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, aux: Any, x: jax.Array,
+             y: jax.Array) -> jax.Array:
+        loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, aux, x, y))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
+def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
+          aux: Any = None, desc: str = "train") -> dict:
+    """Trains `model` in place on `data` and returns its history.
+
+    Batches depend only on `cfg.seed`, so two runs with one seed see the same data in the same
+    order. The validation loss is measured before the first step, every `eval_every` steps and
+    after the last. tokens/s counts every input position of a batch, padding included, and
+    leaves out the first (compiling) step and the evaluations.
+    """
+    optimizer = make_optimizer(model, cfg)
+    step_fn = _make_step(loss_fn)
+    eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+    eval_batch = 2 * cfg.batch_size
+    tokens_per_step = cfg.batch_size * data.train_inputs.shape[1]
+    stream = batches(data.train_inputs, data.train_labels, cfg.batch_size, cfg.seed)
+    losses: list[jax.Array] = []
+    val_curve = [(0, evaluate(model, data.val_inputs, data.val_labels, eval_batch))]
+    train_time, timed_steps = 0.0, 0
+    t0 = time.perf_counter()
+    start = time.perf_counter()
+    bar = tqdm(range(1, cfg.steps + 1), desc=desc, disable=not cfg.progress, dynamic_ncols=True)
+    for step in bar:
+        x, y = next(stream)
+        losses.append(step_fn(model, optimizer, aux, x, y))
+        if step == 1 or step % cfg.log_every == 0 or step % eval_every == 0 or step == cfg.steps:
+            loss = float(losses[-1])  # waits for the step to finish
+            now = time.perf_counter()
+            if step > 1:
+                train_time += now - start
+                timed_steps += step - last_sync
+            last_sync = step
+            tok_s = timed_steps * tokens_per_step / train_time if train_time else float("nan")
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+            if step % eval_every == 0 or step == cfg.steps:
+                val = evaluate(model, data.val_inputs, data.val_labels, eval_batch)
+                val_curve.append((step, val))
+                bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}", tok_s=f"{tok_s:,.0f}")
+            start = time.perf_counter()
+    bar.close()
+    train_losses = [float(v) for v in losses]
+    return dict(train_losses=train_losses, val_curve=val_curve,
+                first_loss=train_losses[0], final_loss=train_losses[-1],
+                first_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
+                tokens_per_s=timed_steps * tokens_per_step / train_time if train_time else None,
+                wall_s=time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- outputs
+def plot_curves(runs: dict[str, dict], path: Path, title: str) -> None:
+    """One PNG with each run's train loss (thin) and validation loss (markers)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, (name, hist) in enumerate(runs.items()):
+        color = f"C{i}"
+        train_losses = hist["train_losses"]
+        ax.plot(range(1, len(train_losses) + 1), train_losses, color=color, alpha=0.35, lw=0.8,
+                label=f"{name} train")
+        steps, vals = zip(*hist["val_curve"])
+        ax.plot(steps, vals, "o-", color=color, ms=4, label=f"{name} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_metrics(metrics: dict, out: Path) -> None:
+    """Writes `metrics.json` to `out`."""
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def runtime_info() -> dict:
+    """The JAX backend and the cross-entropy implementation that `implementation=None` picks."""
+    from jax_fusedloss import _common as fl_common
+
+    return dict(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
+                ce_implementation=fl_common.default_implementation())

@@ -1,0 +1,54 @@
+"""Shared test utilities: seeded inputs, per-dtype tolerances, informative comparisons."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Values (losses, lse) are accumulated in float32 from the exact input values, so they are
+# tight for every dtype; gradients are rounded to the logits' dtype once.
+VALUE_RTOL = {"float32": 2e-5, "bfloat16": 2e-5, "float16": 2e-5}
+GRAD_TOL = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2e-3}  # x max|grad| of the reference
+
+
+def random_logits(seed: int, shape, dtype: str, scale: float = 2.0) -> jax.Array:
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale
+    return x.astype(DTYPES[dtype])
+
+
+def to_torch(x: jax.Array) -> torch.Tensor:
+    return torch.from_dlpack(jnp.asarray(x)).clone()
+
+
+def to_numpy(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        t = t.detach().cpu()
+        return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
+    return np.asarray(jnp.asarray(t).astype(jnp.float32) if jnp.asarray(t).dtype in
+                      (jnp.bfloat16, jnp.float16) else t)
+
+
+def assert_close(actual, expected, *, rtol: float = 0.0, atol: float = 0.0, what: str = "",
+                 equal_nan: bool = False) -> None:
+    """np.allclose with a message that says how many elements mismatch, where and by how much."""
+    a = to_numpy(actual).astype(np.float64)
+    e = to_numpy(expected).astype(np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != expected {e.shape}"
+    ok = np.isclose(a, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
+    if not ok.all():
+        bad = np.argwhere(~ok)
+        first = tuple(bad[0])
+        err = np.nanmax(np.abs(a - e))
+        raise AssertionError(
+            f"{what}: {len(bad)}/{a.size} elements differ (rtol={rtol}, atol={atol}); first at "
+            f"{first}: {a[first]!r} vs {e[first]!r}; max abs error {err:.3g}")
+
+
+def assert_grad_close(actual, expected, dtype: str, what: str = "grad") -> None:
+    e = to_numpy(expected)
+    scale = float(np.max(np.abs(e))) if e.size else 1.0
+    assert_close(actual, e, atol=GRAD_TOL[dtype] * max(scale, 1e-30), rtol=GRAD_TOL[dtype],
+                 what=what)

@@ -1,0 +1,131 @@
+"""Cross-entropy from PyTorch over the same Triton kernels, plus a plain-PyTorch formula."""
+from __future__ import annotations
+
+import torch
+
+from jax_fusedloss.kernels import cross_entropy as k
+from jax_fusedloss.kernels.launch import row_config
+from torch_ref import _launch
+from torch_ref._launch import launch
+
+
+def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
+    n, vocab = x.shape
+    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    loss, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, 3, **f32))
+    flags = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0)
+    cap = float(softcap or 1.0)
+    grad = torch.empty_like(x) if write_grad else None
+    if cfg.num_splits == 1:
+        launch(k.ce_fwd_kernel, (n,), [x, y, row_scale],
+               [vocab, x.stride(0), ignore_index, smoothing, z_loss, cap],
+               [loss, lse, coef, grad if write_grad else torch.empty(1, dtype=x.dtype,
+                                                                       device=x.device)],
+               cfg.num_warps, dict(BLOCK_V=cfg.block_v, HAS_ZLOSS=z_loss > 0,
+                                   WRITE_GRAD=write_grad, **flags))
+        return loss, lse, coef, grad
+    part = torch.empty(n, cfg.num_splits, 4, **f32)
+    launch(k.ce_partial_kernel, (n, cfg.num_splits), [x, y], [vocab, x.stride(0), cap], [part],
+           cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, **flags))
+    launch(k.ce_merge_kernel, (n,), [part, y, row_scale],
+           [vocab, ignore_index, smoothing, z_loss], [loss, lse, coef], 1,
+           dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
+                HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
+    if write_grad:
+        grad = _bwd(x, y, lse, coef, ignore_index, softcap)
+    return loss, lse, coef, grad
+
+
+def _bwd(x, y, lse, coef, ignore_index, softcap):
+    n, vocab = x.shape
+    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x))
+    grad = torch.empty_like(x)
+    launch(k.ce_bwd_kernel, (n, cfg.num_splits), [x, y, lse, coef],
+           [vocab, x.stride(0), ignore_index, float(softcap or 1.0)], [grad], cfg.num_warps,
+           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, HAS_SOFTCAP=softcap is not None))
+    return grad
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, reduction, smoothing, z_loss, softcap,
+                need_lse_grad):
+        vocab = logits.shape[-1]
+        x = logits.reshape(-1, vocab).contiguous()
+        y = labels.reshape(-1).to(torch.int32).contiguous()
+        denom = (torch.clamp((y != ignore_index).sum(), min=1).float() if reduction == "mean"
+                 else torch.ones((), device=x.device))
+        row_scale = (1.0 / denom).expand(x.shape[0]).contiguous()
+        write_grad = logits.requires_grad and not need_lse_grad
+        loss, lse, coef, grad = _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap,
+                                     write_grad)
+        ctx.reduction, ctx.ignore_index, ctx.softcap = reduction, ignore_index, softcap
+        ctx.shape = logits.shape
+        if write_grad:
+            ctx.save_for_backward(grad)
+        else:
+            ctx.save_for_backward(x, y, lse, coef)
+        out = loss.reshape(labels.shape) if reduction == "none" else loss.sum() / denom
+        return out, lse.reshape(labels.shape)
+
+    @staticmethod
+    def backward(ctx, g_loss, g_lse):
+        saved = ctx.saved_tensors
+        n = saved[0].shape[0]
+        cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
+        if len(saved) == 1:
+            (grad,) = saved
+            vocab = grad.shape[1]
+            block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
+            launch(k.scale_rows_kernel, (n,), [grad, cot.contiguous()], [vocab], [grad], 8,
+                   dict(BLOCK_V=block))
+        else:
+            x, y, lse, coef = saved
+            coef = coef * cot[:, None]
+            coef[:, 0] += g_lse.reshape(-1).float()
+            grad = _bwd(x, y, lse, coef.contiguous(), ctx.ignore_index, ctx.softcap)
+        return grad.reshape(ctx.shape), None, None, None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
+                  logit_softcap: float | None = None, return_lse: bool = False):
+    """`jax_fusedloss.cross_entropy` from PyTorch, on the same Triton kernels (see its docs)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be one of ('mean', 'sum', 'none')")
+    loss, lse = _CrossEntropy.apply(logits, labels, int(ignore_index), reduction,
+                                    float(label_smoothing), float(z_loss),
+                                    None if logit_softcap is None else float(logit_softcap),
+                                    bool(return_lse and torch.is_grad_enabled()))
+    return (loss, lse) if return_lse else loss
+
+
+def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, *,
+                            ignore_index: int = -100, reduction: str = "mean",
+                            label_smoothing: float = 0.0, z_loss: float = 0.0,
+                            logit_softcap: float | None = None, return_lse: bool = False,
+                            dtype: torch.dtype = torch.float32):
+    """The naive formula in plain PyTorch at `dtype` (float32, or float64 as the oracle).
+
+    Materialises the full softmax; for tests. Out-of-range labels give NaN like the kernels.
+    """
+    z = logits.to(dtype)
+    if logit_softcap is not None:
+        z = logit_softcap * torch.tanh(z / logit_softcap)
+    vocab = z.shape[-1]
+    lse = torch.logsumexp(z, dim=-1)
+    ignored = labels == ignore_index
+    bad = ~ignored & ((labels < 0) | (labels >= vocab))
+    zy = torch.gather(z, -1, labels.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
+    loss = (1 - label_smoothing) * (lse - zy) + label_smoothing * (lse - z.mean(dim=-1))
+    if z_loss:
+        loss = loss + z_loss * lse**2
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / (~ignored).sum().clamp(min=1)
+    return (loss, lse) if return_lse else loss
+
