@@ -1,0 +1,75 @@
+"""The issue's performance targets, checked against benchmark rows (never typed-in numbers).
+
+Each check reads the latest rows of the run and says what was measured, the target, and
+whether it holds; a target whose rows are missing says so.
+"""
+from __future__ import annotations
+
+from benchmarks import shapes
+
+OURS = "jax_fusedloss"
+CE_FLOOR_RATIO = 1.25  # cross_entropy fwd_bwd, bf16, N=8192, V=128256: median / floor
+KD_FLOOR_RATIO = 1.3  # kd_loss "full" fwd_bwd, same shape
+LSE_BANDWIDTH_SHARE = 0.8  # logsumexp fwd, N >= 64: floor / median
+LSE_SMALL_N_US = 15.0  # logsumexp fwd, N in {1, 8}, V=128256: median in microseconds
+
+
+def _find(rows, op, mode, n, v, dtype="bf16", impl=None):
+    return [r for r in rows if (r["op"], r["mode"], r["n"], r["v"], r["dtype"]) ==
+            (op, mode, n, v, dtype) and (impl is None or r["impl"] == impl)]
+
+
+def _verdict(ok: bool) -> str:
+    return "MET" if ok else "MISSED"
+
+
+def check(rows: list[dict]) -> list[str]:
+    """One line per target: measured value, target, MET / MISSED / no data."""
+    n, v = shapes.TARGET_N, shapes.TARGET_V
+    lines = []
+    ce = _find(rows, "cross_entropy", "fwd_bwd", n, v)
+    ours = [r for r in ce if r["impl"] == OURS]
+    if ours:
+        r = ours[0]
+        ratio = r["median_ms"] / r["floor_ms"]
+        lines.append(f"cross_entropy fwd_bwd bf16 N={n} V={v}: {ratio:.2f}x floor "
+                     f"(target <= {CE_FLOOR_RATIO}): {_verdict(ratio <= CE_FLOOR_RATIO)}")
+        others = [b for b in ce if not b["impl"].startswith(("jax_fusedloss", "torch_ref"))]
+        slower = [b for b in others if b["median_ms"] <= r["median_ms"]]
+        lines.append(f"cross_entropy fwd_bwd faster than every baseline ("
+                     + ", ".join(f"{b['impl']} {b['median_ms']:.3g} ms" for b in others)
+                     + f"; ours {r['median_ms']:.3g} ms): "
+                     + (_verdict(not slower) if others else "no baseline rows"))
+        sweep = sorted((s for s in rows if (s["op"], s["mode"], s["v"], s["dtype"], s["impl"]) ==
+                        ("cross_entropy", "fwd_bwd", v, "bf16", OURS) and s["peak_bytes"]),
+                       key=lambda s: s["n"])
+        if sweep:
+            per_token = [(s["n"], (s["peak_bytes"] - shapes.floor_bytes(
+                s["op"], s["mode"], s["n"], s["v"], s["dtype"])) / s["n"]) for s in sweep]
+            lines.append("cross_entropy fwd_bwd peak beyond logits + gradient, bytes per token "
+                         "(O(N) means flat in N): "
+                         + ", ".join(f"N={k}: {b:.0f}" for k, b in per_token))
+    else:
+        lines.append(f"cross_entropy fwd_bwd bf16 N={n} V={v}: no {OURS} row")
+    kd = _find(rows, "kd_loss", "fwd_bwd", n, v, impl=OURS)
+    if kd:
+        ratio = kd[0]["median_ms"] / kd[0]["floor_ms"]
+        lines.append(f"kd_loss full fwd_bwd bf16 N={n} V={v} K={kd[0]['k']}: {ratio:.2f}x floor "
+                     f"(target <= {KD_FLOOR_RATIO}): {_verdict(ratio <= KD_FLOOR_RATIO)}")
+    else:
+        lines.append(f"kd_loss fwd_bwd bf16 N={n} V={v}: no {OURS} row")
+    lse = sorted((r for r in rows if (r["op"], r["mode"], r["impl"], r["dtype"]) ==
+                  ("logsumexp", "fwd", OURS, "bf16")), key=lambda r: (r["v"], r["n"]))
+    for r in lse:
+        if r["n"] >= 64:
+            share = r["floor_ms"] / r["median_ms"]
+            lines.append(f"logsumexp fwd N={r['n']} V={r['v']}: {100 * share:.0f}% of copy "
+                         f"bandwidth (target >= {100 * LSE_BANDWIDTH_SHARE:.0f}%): "
+                         f"{_verdict(share >= LSE_BANDWIDTH_SHARE)}")
+        elif r["v"] == v and r["n"] in shapes.LSE_SMALL_N:
+            us = r["median_ms"] * 1e3
+            lines.append(f"logsumexp fwd N={r['n']} V={r['v']}: {us:.1f} us "
+                         f"(target < {LSE_SMALL_N_US:.0f} us): {_verdict(us < LSE_SMALL_N_US)}")
+    if not lse:
+        lines.append(f"logsumexp fwd: no {OURS} rows")
+    return lines

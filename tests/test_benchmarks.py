@@ -1,0 +1,178 @@
+"""CPU smoke tests of the benchmark plumbing: the grid, the one-command run, the CSV, the report.
+
+The numbers timed here are meaningless (tiny shapes on a CPU); what is checked is that the
+suite runs end to end without a GPU or jax_triton, writes exactly the agreed columns, and that
+the plots and tables are drawn from a CSV alone.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report, shapes, targets
+from benchmarks.record import CsvSink
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = ("op,impl,mode,n,v,k,dtype,median_ms,p20_ms,p80_ms,peak_bytes,floor_ms,device,versions,"
+          "commit,date")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_columns_are_the_agreed_ones():
+    assert ",".join(shapes.COLUMNS) == HEADER
+
+
+def test_quick_grid_puts_the_target_shapes_first():
+    grid = shapes.build_grid(shapes.OPS, quick=True)
+    assert len(set(grid)) == len(grid)
+    tiers = [p.tier for p in grid]
+    assert tiers == sorted(tiers)
+    first = {(p.op, p.mode, p.dtype, p.n, p.v, p.k) for p in grid if p.tier == 0}
+    n, v = shapes.TARGET_N, shapes.TARGET_V
+    for op in shapes.OPS:
+        assert (op, "fwd_bwd", "bf16", n, v, shapes.KD_K if op == "kd_loss" else 0) in first
+    assert ("cross_entropy", "fwd_bwd", "fp32", n, v, 0) in first
+    assert {("logsumexp", "fwd", "bf16", small, v, 0) for small in shapes.LSE_SMALL_N} <= first
+    assert {p.v for p in grid if p.op == "cross_entropy"} == set(shapes.VOCABS.values())
+
+
+def test_full_grid_covers_the_named_shapes():
+    grid = shapes.build_grid(shapes.OPS)
+    ce = {(p.n, p.v) for p in grid if (p.op, p.dtype) == ("cross_entropy", "bf16")}
+    assert ce == {(n, v) for n in shapes.TOKENS for v in shapes.VOCABS.values()}
+    for op in shapes.OPS:
+        got = {(p.n, p.v) for p in grid if p.op == op}
+        assert {(n, shapes.TARGET_V) for n in shapes.TOKENS} <= got, op
+        assert {(shapes.TARGET_N, v) for v in shapes.VOCABS.values()} <= got, op
+    assert all(p.mode in shapes.MODES for p in grid)
+    assert shapes.parse_vocabs("llama3,50257") == [128256, 50257]
+    with pytest.raises(ValueError, match="vocabulary"):
+        shapes.parse_vocabs("llama9")
+
+
+def test_one_command_cpu_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), BENCH_COMMIT="testcommit")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--cpu-smoke", "--out", str(tmp_path),
+         "--ops", "cross_entropy"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    path = tmp_path / "bench.csv"
+    assert path.read_text().splitlines()[0] == HEADER
+    rows = report.read_rows(path)
+    impls = {r["impl"] for r in rows}
+    assert impls == {"jax_fusedloss_xla", "optax", "optax_fp32", "torch"}, impls
+    assert {r["mode"] for r in rows} == set(shapes.MODES)
+    for r in rows:
+        assert 0 < r["p20_ms"] <= r["median_ms"] <= r["p80_ms"], r
+        assert r["floor_ms"] > 0 and r["device"] == "cpu" and r["commit"] == "testcommit", r
+        assert "jax=" in r["versions"] and r["date"].endswith("Z"), r
+        if r["impl"] != "torch":  # XLA's buffer assignment holds at least the logits
+            assert r["peak_bytes"] >= r["n"] * r["v"] * 2, r
+    assert "== Targets of the issue ==" in proc.stdout
+    assert (tmp_path / "table.md").read_text().count("cross_entropy") >= 2
+
+
+def _row(op, impl, mode, n, v, median_ms, *, date="2026-11-01T00:00:00Z", dtype="bf16",
+         peak_extra=1024, bandwidth=3.0e12):
+    moved = shapes.floor_bytes(op, mode, n, v, dtype)
+    return dict(op=op, impl=impl, mode=mode, n=n, v=v, k=shapes.KD_K if op == "kd_loss" else 0,
+                dtype=dtype, median_ms=median_ms, p20_ms=median_ms * 0.98,
+                p80_ms=median_ms * 1.03, peak_bytes=moved + peak_extra * n,
+                floor_ms=moved / bandwidth * 1e3, device="NVIDIA Test GPU",
+                versions="jax=0 torch=0", commit="abc1234", date=date)
+
+
+def _synthetic_csv(path: Path, date: str = "2026-11-01T00:00:00Z", scale: float = 1.0) -> Path:
+    sink = CsvSink(path)
+    v = shapes.TARGET_V
+    for n in (1, 64, 1024, 8192):
+        floor = shapes.floor_bytes("cross_entropy", "fwd_bwd", n, v, "bf16") / 3.0e9
+        for impl, factor in (("jax_fusedloss", 1.1), ("torch_ref", 1.15), ("liger", 1.9),
+                             ("optax", 2.3)):
+            sink.write(_row("cross_entropy", impl, "fwd_bwd", n, v, floor * factor * scale,
+                            date=date))
+            sink.write(_row("cross_entropy", impl, "fwd", n, v, floor * factor / 2, date=date))
+    for vocab in set(shapes.VOCABS.values()) - {v}:
+        floor = shapes.floor_bytes("cross_entropy", "fwd_bwd", 8192, vocab, "bf16") / 3.0e9
+        sink.write(_row("cross_entropy", "jax_fusedloss", "fwd_bwd", 8192, vocab, floor * 1.2,
+                        date=date))
+    floor = shapes.floor_bytes("kd_loss", "fwd_bwd", 8192, v, "bf16") / 3.0e9
+    sink.write(_row("kd_loss", "jax_fusedloss", "fwd_bwd", 8192, v, floor * 1.5, date=date))
+    for n, us in ((1, 9.0), (8, 20.0)):
+        sink.write(_row("logsumexp", "jax_fusedloss", "fwd", n, v, us * 1e-3, date=date))
+        sink.write(_row("logsumexp", "torch", "fwd", n, v, 58e-3, date=date))
+    return path
+
+
+def test_report_draws_plots_and_tables_from_a_csv(tmp_path):
+    pytest.importorskip("matplotlib")
+    run1 = _synthetic_csv(tmp_path / "run1.csv")
+    run2 = _synthetic_csv(tmp_path / "run2.csv", date="2026-11-02T00:00:00Z", scale=0.5)
+    results = tmp_path / "results" / "results.csv"
+    assert report.append_results([run1], results) > 0
+    assert report.append_results([run1], results) == 0  # rows already there are not repeated
+    assert report.append_results([run2], results) > 0
+    with results.open(newline="") as f:
+        assert ",".join(next(csv.reader(f))) == HEADER
+    rows = report.latest(report.read_rows(results))
+    assert {r["date"] for r in rows} == {"2026-11-02T00:00:00Z"}  # the newest row of each case
+    written = report.draw(rows, tmp_path / "results")
+    pngs = [p for p in written if p.suffix == ".png"]
+    assert {p.name for p in pngs} >= {f"cross_entropy_bf16_v{shapes.TARGET_V}.png",
+                                      f"ratio_to_floor_n{shapes.TARGET_N}.png"}
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000, p
+    table = (tmp_path / "results" / "table.md").read_text()
+    assert f"cross_entropy fwd_bwd bf16 N={shapes.TARGET_N}" in table
+    assert "| **jax_fusedloss** |" in table and "logsumexp forward" in table
+
+
+def test_report_rewrites_only_the_marked_readme_block(tmp_path):
+    pytest.importorskip("matplotlib")
+    results_dir = tmp_path / "results"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nBefore.\n\n{report.BEGIN}\nold table\n{report.END}\n\nAfter.\n")
+    run = _synthetic_csv(tmp_path / "run.csv")
+    assert report.main([str(run), "--results-dir", str(results_dir), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# Title\n\nBefore.")
+    assert text.rstrip().endswith("After.")
+    block = text.split(report.BEGIN)[1].split(report.END)[0]
+    assert "jax_fusedloss" in block and "results/cross_entropy_bf16_v128256.png" in block
+    plain = tmp_path / "PLAIN.md"
+    plain.write_text("no markers\n")
+    assert not report.rewrite_readme(plain, "table")
+    assert plain.read_text() == "no markers\n"
+
+
+def test_target_checks_say_met_or_missed(tmp_path):
+    rows = report.read_rows(_synthetic_csv(tmp_path / "run.csv"))
+    lines = "\n".join(targets.check(rows))
+    assert "1.10x floor (target <= 1.25): MET" in lines
+    assert "faster than every baseline" in lines and "MET" in lines
+    assert "kd_loss full fwd_bwd" in lines and "1.50x floor (target <= 1.3): MISSED" in lines
+    assert "logsumexp fwd N=1 V=128256: 9.0 us (target < 15 us): MET" in lines
+    assert "logsumexp fwd N=8 V=128256: 20.0 us (target < 15 us): MISSED" in lines
+    assert "bytes per token" in lines
+    assert "Targets of the issue" in report.summary_text(rows)
+
+
+def test_missing_op_or_baseline_is_skipped_with_a_note(monkeypatch):
+    import jax_fusedloss
+
+    from benchmarks import jax_impls
+
+    monkeypatch.delattr(jax_fusedloss, "entropy", raising=False)
+    impls, notes = jax_impls.implementations("entropy", "bf16", None, on_gpu=False)
+    assert set(impls) == {"jnp_fp32"}
+    assert any("jax_fusedloss.entropy" in n for n in notes), notes
+    monkeypatch.setitem(sys.modules, "optax", None)  # import optax now fails
+    impls, notes = jax_impls.implementations("cross_entropy", "bf16", None, on_gpu=False)
+    assert set(impls) == {"jax_fusedloss_xla"}
+    assert any("import failed" in n for n in notes), notes
