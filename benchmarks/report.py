@@ -133,11 +133,12 @@ def _mib(x: float | None) -> str:
 
 
 # ----------------------------------------------------------------------------- text
-def summary_text(rows: list[dict]) -> str:
+def summary_text(rows: list[dict], max_problems: int = 40) -> str:
     """The stdout summary, most important last (a console often keeps only the tail).
 
-    Every problem in one line (our rows against the best baseline), then the target shapes
-    in full, then the issue's targets checked.
+    Every problem in one line (our rows against the best baseline; left to table.md when
+    there are more than `max_problems`), then the target shapes in full, then the issue's
+    targets checked.
     """
     if not rows:
         return "[report] no rows"
@@ -153,6 +154,8 @@ def summary_text(rows: list[dict]) -> str:
                          f"{r['median_ms'] / r['floor_ms']:>8.2f}"
                          + (f" {base['impl']:>12} {base['median_ms']:>10.4g} "
                             f"{base['median_ms'] / r['median_ms']:>8.2f}" if base else ""))
+    if len(problems) > max_problems:
+        lines = ["", f"[report] {len(problems)} problems: one line each in table.md"]
     lines += ["", "== Target shapes (x floor: median / (bytes that must move / copy bandwidth); "
                   "beyond: peak minus logits and gradient) =="]
     for key, group in problems.items():
@@ -351,12 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs:
         print(f"[report] {append_results(args.runs, results)} new rows appended to {results}")
     rows = latest(read_rows(results), args.device)
-    written = draw(rows, args.results_dir)
+    root = RESULTS_DIR.parent.parent
+    source = (results.resolve().relative_to(root) if results.resolve().is_relative_to(root)
+              else results)
+    written = draw(rows, args.results_dir, source=str(source))
     print("[report] wrote " + ", ".join(str(p) for p in written))
     if args.readme:
         here = args.readme.resolve().parent
         rel = [os.path.relpath(p, here) for p in written if p.suffix == ".png"]
-        if rewrite_readme(args.readme, markdown(rows, full=False, plots=rel)):
+        if rewrite_readme(args.readme, markdown(rows, full=False, plots=rel, source=str(source))):
             print(f"[report] rewrote the {BEGIN} block of {args.readme}")
         else:
             print(f"[report] {args.readme} has no {BEGIN} ... {END} block; left untouched")

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from benchmarks import report, shapes, timing
 from benchmarks.record import CsvSink, commit, versions
@@ -82,7 +83,13 @@ def _fmt(x: float) -> str:
 
 
 class Worker:
-    """Runs one framework's cases in priority order until the deadline."""
+    """Runs one framework's cases in priority order until the deadline.
+
+    A subclass provides the framework: `setup`, `implementations`, `make_inputs`, `measure`
+    (-> stats, peak bytes, text for the log line) and `cleanup`.
+    """
+
+    mutating: frozenset = frozenset()  # implementations that overwrite the logits in fwd_bwd
 
     def __init__(self, args: argparse.Namespace, meta: dict, meta_path: Path):
         self.args, self.meta, self.meta_path = args, meta, meta_path
@@ -148,7 +155,7 @@ class Worker:
                   flush=True)
         return done
 
-    def get_inputs(self, p: shapes.Problem):
+    def get_inputs(self, p: shapes.Problem) -> list[tuple]:
         key = (p.op in ("cross_entropy", "token_logprobs"), p.op == "kd_loss", p.n, p.v, p.k,
                p.dtype)
         if key != self.inputs_key:
@@ -168,8 +175,6 @@ class Worker:
 
 
 class TorchWorker(Worker):
-    mutating = frozenset()
-
     def setup(self) -> None:
         import torch
 
@@ -189,10 +194,10 @@ class TorchWorker(Worker):
               f"{self.meta['bandwidth'] / 1e9:.0f} GB/s (read + write of {nbytes >> 20} MiB)",
               flush=True)
 
-    def implementations(self, p):
+    def implementations(self, p: shapes.Problem) -> tuple[dict[str, Callable], list[str]]:
         return self.impls_mod.implementations(p.op, self.names, self.cuda)
 
-    def make_inputs(self, p, seed, logits):
+    def make_inputs(self, p: shapes.Problem, seed: int, logits) -> tuple:
         return self.impls_mod.make_inputs(p, seed, self.device, logits)
 
     def cleanup(self) -> None:
@@ -200,7 +205,8 @@ class TorchWorker(Worker):
         if self.cuda:
             self.torch.cuda.empty_cache()
 
-    def measure(self, p, name, fn, inputs):
+    def measure(self, p: shapes.Problem, name: str, fn: Callable,
+                inputs: list[tuple]) -> tuple[timing.Stats, int | None, str]:
         g = self.impls_mod.objective(fn, p.mode)
         for tup in inputs:
             tup[0].requires_grad_(p.mode == "fwd_bwd")
@@ -217,8 +223,6 @@ class TorchWorker(Worker):
 
 
 class JaxWorker(Worker):
-    mutating = frozenset()
-
     def setup(self) -> None:
         import jax
 
@@ -234,19 +238,21 @@ class JaxWorker(Worker):
         if "bandwidth" not in self.meta:
             nbytes = (32 << 20) if self.smoke else BANDWIDTH_BYTES
             self.meta["bandwidth"] = timing.copy_bandwidth_jax(nbytes, self.smoke)
+            self.meta_path.write_text(json.dumps(self.meta, indent=1))
             print(f"[jax] copy bandwidth {self.meta['bandwidth'] / 1e9:.0f} GB/s (measured "
                   "with JAX: no PyTorch worker ran)", flush=True)
 
-    def implementations(self, p):
+    def implementations(self, p: shapes.Problem) -> tuple[dict[str, Callable], list[str]]:
         return self.impls_mod.implementations(p.op, p.dtype, self.names, self.on_gpu)
 
-    def make_inputs(self, p, seed, logits):
+    def make_inputs(self, p: shapes.Problem, seed: int, logits) -> tuple:
         return self.impls_mod.make_inputs(p, seed, logits)
 
     def cleanup(self) -> None:
         gc.collect()
 
-    def measure(self, p, name, fn, inputs):
+    def measure(self, p: shapes.Problem, name: str, fn: Callable,
+                inputs: list[tuple]) -> tuple[timing.Stats, int | None, str]:
         g = self.impls_mod.objective(fn, p.mode)
         arity, r = len(inputs[0]), len(inputs)
 
