@@ -40,7 +40,7 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
 
     def body(x, y, row_scale):
         n, vocab = x.shape
-        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
+        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
         softcap = float(opts.softcap or 1.0)
         row_outs = [jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n,), f32),
                     jax.ShapeDtypeStruct((n, 3), f32)]
@@ -51,7 +51,7 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
                 scalars=[vocab, vocab, opts.ignore_index, opts.smoothing, opts.z_loss, softcap],
                 out_shapes=row_outs + [jax.ShapeDtypeStruct(grad_shape, x.dtype)],
                 num_warps=cfg.num_warps,
-                constexprs=dict(BLOCK_V=cfg.block_v, HAS_ZLOSS=opts.z_loss > 0,
+                constexprs=dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=opts.z_loss > 0,
                                 WRITE_GRAD=write_grad, **_flags(opts)))
             return outs if write_grad else outs[:3]
         (part,) = _triton_jax.launch(
@@ -59,7 +59,8 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
             scalars=[vocab, vocab, softcap],
             out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)],
             num_warps=cfg.num_warps,
-            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, **_flags(opts)))
+            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                            **_flags(opts)))
         loss, lse, coef = _triton_jax.launch(
             k.ce_merge_kernel, grid=(n,), inputs=[part, y, row_scale],
             scalars=[vocab, opts.ignore_index, opts.smoothing, opts.z_loss], out_shapes=row_outs,
@@ -76,12 +77,12 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
 def _triton_rows_bwd_body(x, y, lse, coef, opts: CEOptions):
     k, row_config = _kernels()
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
+    cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad=True)
     (grad,) = _triton_jax.launch(
         k.ce_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, y, lse, coef],
         scalars=[vocab, vocab, opts.ignore_index, float(opts.softcap or 1.0)],
         out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
-        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v,
+        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
                         HAS_SOFTCAP=opts.softcap is not None))
     return grad
 
@@ -94,6 +95,7 @@ def _triton_rows_bwd(x, y, lse, coef, opts: CEOptions):
 def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
     """grad * cot[:, None] in place (rows with cot == 1 are skipped) through a Triton kernel."""
     from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
+    from jax_fusedloss.kernels.launch import vocab_align
 
     def body(grad, cot):
         n, vocab = grad.shape
@@ -101,7 +103,8 @@ def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
         return _triton_jax.launch(
             scale_rows_kernel, grid=(n,), inputs=[grad, cot], scalars=[vocab],
             out_shapes=[jax.ShapeDtypeStruct(grad.shape, grad.dtype)], num_warps=8,
-            constexprs=dict(BLOCK_V=block), input_output_aliases={0: 0})
+            constexprs=dict(BLOCK_V=block, ALIGN=vocab_align(vocab)),
+            input_output_aliases={0: 0})
 
     return _triton_jax.rowwise(body)(grad, cot)[0]
 

@@ -18,9 +18,9 @@ from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, random_l
 
 IMPLS = ["triton", "xla", "torch_ref"]
 DTYPES = ["float32", "bfloat16", "float16"]
-# V below one block (37), over several blocks with a ragged tail for every dtype (9001:
-# 3 bf16 tiles of 8192... and 3 fp32 tiles of 4096), prime V (5003), leading dims [B, T, V].
-SHAPES = [(5, 37), (3, 5003), (2, 2, 9001)]
+# V below one block (37), prime V (5003: 2 forward tiles), over several tiles with a ragged
+# tail in both the forward (4096) and the gradient (16384) passes (20011), leading dims.
+SHAPES = [(5, 37), (3, 5003), (2, 2, 20011)]
 OPTIONS = {
     "plain": {},
     "smoothing": dict(label_smoothing=0.1),
@@ -151,8 +151,8 @@ def test_all_ignored_gives_zero_not_nan(impl, reduction, path, interpreter):
 @pytest.mark.parametrize("impl", ["triton", "xla"])
 def test_scaled_cotangent(impl, interpreter):
     """A loss multiplied by a weight takes the in-place rescaling path of the backward."""
-    logits = random_logits(11, (5, 300), "float32")
-    labels = make_labels(12, (5,), 300)
+    logits = random_logits(11, (5, 20011), "float32")  # several tiles per row
+    labels = make_labels(12, (5,), 20011)
     f = lambda x: 2.5 * jax_fusedloss.cross_entropy(x, labels, implementation=impl)
     _, _, rgrad = reference(logits, labels)
     assert_grad_close(jax.grad(f)(logits), 2.5 * to_numpy(rgrad), "float32")

@@ -4,14 +4,14 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import cross_entropy as k
-from jax_fusedloss.kernels.launch import row_config
+from jax_fusedloss.kernels.launch import row_config, vocab_align
 from torch_ref import _launch
 from torch_ref._launch import launch
 
 
 def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x))
+    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad)
     f32 = dict(dtype=torch.float32, device=x.device)
     loss, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, 3, **f32))
     flags = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0)
@@ -22,12 +22,13 @@ def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
                [vocab, x.stride(0), ignore_index, smoothing, z_loss, cap],
                [loss, lse, coef, grad if write_grad else torch.empty(1, dtype=x.dtype,
                                                                        device=x.device)],
-               cfg.num_warps, dict(BLOCK_V=cfg.block_v, HAS_ZLOSS=z_loss > 0,
+               cfg.num_warps, dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
                                    WRITE_GRAD=write_grad, **flags))
         return loss, lse, coef, grad
     part = torch.empty(n, cfg.num_splits, 4, **f32)
     launch(k.ce_partial_kernel, (n, cfg.num_splits), [x, y], [vocab, x.stride(0), cap], [part],
-           cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, **flags))
+           cfg.num_warps,
+           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
     launch(k.ce_merge_kernel, (n,), [part, y, row_scale],
            [vocab, ignore_index, smoothing, z_loss], [loss, lse, coef], 1,
            dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
@@ -39,11 +40,12 @@ def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
 
 def _bwd(x, y, lse, coef, ignore_index, softcap):
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x))
+    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad=True)
     grad = torch.empty_like(x)
     launch(k.ce_bwd_kernel, (n, cfg.num_splits), [x, y, lse, coef],
            [vocab, x.stride(0), ignore_index, float(softcap or 1.0)], [grad], cfg.num_warps,
-           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, HAS_SOFTCAP=softcap is not None))
+           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                HAS_SOFTCAP=softcap is not None))
     return grad
 
 
@@ -79,7 +81,7 @@ class _CrossEntropy(torch.autograd.Function):
             vocab = grad.shape[1]
             block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
             launch(k.scale_rows_kernel, (n,), [grad, cot.contiguous()], [vocab], [grad], 8,
-                   dict(BLOCK_V=block))
+                   dict(BLOCK_V=block, ALIGN=vocab_align(vocab)))
         else:
             x, y, lse, coef = saved
             coef = coef * cot[:, None]

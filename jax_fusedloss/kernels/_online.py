@@ -12,7 +12,15 @@ def load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr)
 
     z = softcap * tanh(x * inv_temp / softcap) when HAS_SOFTCAP, else x * inv_temp.
     """
-    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) * inv_temp
+    return load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, "")
+
+
+@triton.jit
+def load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
+                   EVICTION: tl.constexpr):
+    """load_tile with an L2 eviction hint ("", "evict_last" or "evict_first")."""
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    x = x.to(tl.float32) * inv_temp
     if HAS_SOFTCAP:
         # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates cleanly to +-1 for large |u|.
         t = 1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0)
@@ -53,3 +61,12 @@ def tile_update(m, s, z):
 def stats_to_lse(m, s):
     """log-sum-exp from (max, sum); -inf for a row with no finite entry."""
     return tl.where(s > 0.0, safe_max(m) + tl.log(s), float("-inf"))
+
+
+@triton.jit
+def hint_multiple(x, ALIGN: tl.constexpr):
+    """Returns x (a size or stride the caller guarantees is a multiple of ALIGN) in a form the
+    compiler knows is a multiple of ALIGN, so row starts and tile masks allow 16-byte vector
+    loads. jax-triton passes scalars without the divisibility specialisation that Triton's own
+    launcher infers; (x // ALIGN) * ALIGN carries it (tl.multiple_of on a scalar does not)."""
+    return (x // ALIGN) * ALIGN

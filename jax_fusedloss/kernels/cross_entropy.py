@@ -13,7 +13,8 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import load_tile, stats_to_lse, tile_update
+from jax_fusedloss.kernels._online import (hint_multiple, load_tile, load_tile_hint, stats_to_lse,
+                                           tile_update)
 
 
 @triton.jit
@@ -26,7 +27,8 @@ def _label_state(labels_ptr, row, V, ignore_index):
 
 @triton.jit
 def _ce_slice_stats(row_ptr, label, start, stop, inv_temp, softcap,
-                    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+                    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                    EVICTION: tl.constexpr):
     """(max, sum exp(z - max), sum z, z[label] if label in [start, stop) else 0) of one slice."""
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
@@ -34,7 +36,7 @@ def _ce_slice_stats(row_ptr, label, start, stop, inv_temp, softcap,
     for off in range(start, stop, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < stop
-        z, _ = load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP)
+        z, _ = load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, EVICTION)
         m, s = tile_update(m, s, z)
         if HAS_SMOOTHING:
             sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
@@ -63,7 +65,8 @@ def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
 
 @triton.jit
 def _ce_grad_slice(row_ptr, grad_row_ptr, label, bad, lse, a, b, c, start, stop, inv_temp,
-                   softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                   softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   EVICTION: tl.constexpr):
     """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop).
 
     Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
@@ -74,11 +77,12 @@ def _ce_grad_slice(row_ptr, grad_row_ptr, label, bad, lse, a, b, c, start, stop,
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
-        z, dz = load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP)
+        z, dz = load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, EVICTION)
         p = tl.exp(z - lse_safe)
         g = (a * p - tl.where(cols == label, b, 0.0) - c) * dz
         g = tl.where(bad, float("nan"), g)
-        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -91,15 +95,21 @@ def ce_fwd_kernel(
     loss_ptr, lse_ptr, coef_ptr, grad_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Row path, one program per row: loss, lse, gradient coefficients and, if WRITE_GRAD,
-    the gradient for a unit cotangent (scaled by row_scale) in the same program."""
+    the gradient for a unit cotangent (scaled by row_scale) in the same program.
+
+    With WRITE_GRAD the statistics pass asks L1/L2 to keep its lines (evict_last) and the
+    gradient pass streams (evict_first), so the re-read of the row hits cache more often.
+    """
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
     m, s, sumz, zy = _ce_slice_stats(row_ptr, label, 0, V, 1.0, softcap, BLOCK_V, HAS_SOFTCAP,
-                                     HAS_SMOOTHING)
+                                     HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "")
     lse = stats_to_lse(m, s)
     scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
     loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
@@ -111,7 +121,7 @@ def ce_fwd_kernel(
     tl.store(coef_ptr + row * 3 + 2, c)
     if WRITE_GRAD:
         _ce_grad_slice(row_ptr, grad_ptr + row * V, label, bad, lse, a, b, c, 0, V, 1.0,
-                       softcap, BLOCK_V, HAS_SOFTCAP)
+                       softcap, BLOCK_V, HAS_SOFTCAP, "evict_first")
 
 
 @triton.jit
@@ -124,9 +134,11 @@ def ce_partial_kernel(
     part_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Split path, grid (N, NUM_SPLITS): partial statistics of one vocabulary slice."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
@@ -134,7 +146,7 @@ def ce_partial_kernel(
     stop = tl.minimum(start + SPLIT_V, V)
     label = tl.load(labels_ptr + row).to(tl.int32)
     m, s, sumz, zy = _ce_slice_stats(logits_ptr + row * stride_row, label, start, stop, 1.0,
-                                     softcap, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING)
+                                     softcap, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, "")
     out = part_ptr + (row * num_splits + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
@@ -187,9 +199,11 @@ def ce_bwd_kernel(
     # outputs
     grad_ptr,
     # constexprs
-    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c)."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
@@ -199,7 +213,7 @@ def ce_bwd_kernel(
     c = tl.load(coef_ptr + row * 3 + 2)
     _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label, bad,
                    tl.load(lse_ptr + row), a, b, c, start, stop, 1.0, softcap, BLOCK_V,
-                   HAS_SOFTCAP)
+                   HAS_SOFTCAP, "")
 
 
 @triton.jit
@@ -211,14 +225,16 @@ def scale_rows_kernel(
     # outputs (aliases grad_in on the GPU: rows whose cotangent is exactly 1 are not touched)
     grad_out_ptr,
     # constexprs
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid (N, cdiv(V, BLOCK_V)): grad_out[row] = grad_in[row] * cot[row], skipped if cot == 1."""
+    """Grid (N,): grad_out[row] = grad_in[row] * cot[row]; rows with cot == 1 are skipped."""
+    V = hint_multiple(V, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cot = tl.load(cot_ptr + row)
     if cot != 1.0:
-        cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < V
-        g = tl.load(grad_in_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(grad_out_ptr + row * V + cols, (g * cot).to(grad_out_ptr.dtype.element_ty),
-                 mask=mask)
+        for off in range(0, V, BLOCK_V):
+            cols = off + tl.arange(0, BLOCK_V)
+            mask = cols < V
+            g = tl.load(grad_in_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(grad_out_ptr + row * V + cols,
+                     (g * cot).to(grad_out_ptr.dtype.element_ty), mask=mask)
