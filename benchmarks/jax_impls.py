@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from benchmarks.shapes import Problem
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-OURS = {"jax_fusedloss": None, "jax_fusedloss_xla": "xla"}  # impl name -> implementation=
+# impl name -> implementation= ("jax_fusedloss_triton" only by name: on a CPU it runs the
+# kernels through Triton's interpreter, which checks the plumbing, not the speed)
+OURS = {"jax_fusedloss": None, "jax_fusedloss_xla": "xla", "jax_fusedloss_triton": "triton"}
 
 
 def make_inputs(p: Problem, seed: int, logits: jax.Array | None = None) -> tuple[jax.Array, ...]:

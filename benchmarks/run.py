@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--frameworks", default="torch,jax")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting cases after this many seconds (default 230 quick, "
-                         "510 full, 120 smoke)")
+                         "480 full, 120 smoke)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes and CPU-safe implementations: tests the plumbing")
     ap.add_argument("--list", action="store_true", help="print the problems and exit")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f" K={p.k}" if p.k else ""))
         return 0
     start = time.time()
-    budget = args.budget_s or (120.0 if args.cpu_smoke else 230.0 if args.quick else 510.0)
+    budget = args.budget_s or (120.0 if args.cpu_smoke else 230.0 if args.quick else 480.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     todo = problems(args)

@@ -70,8 +70,17 @@ def _baselines(op: str) -> dict[str, Callable]:
 
 
 def _liger_cross_entropy() -> Callable:
-    from liger_kernel.transformers.functional import liger_cross_entropy
+    """Liger's public functional cross-entropy, or (if its package fails to import) the
+    autograd.Function under it, with Liger 0.8.5's positional arguments."""
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+    except ImportError:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
+        # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+        #  softcap, return_z_loss, return_token_accuracy, return_predicted_tokens) -> (loss, ...)
+        return lambda x, y: LigerCrossEntropyFunction.apply(
+            x, y, None, -100, 0.0, 0.0, "mean", None, False, False, False)[0]
     return lambda x, y: liger_cross_entropy(x, y)
 
 
