@@ -110,41 +110,38 @@ def _synthetic_csv(path: Path, date: str = "2026-11-01T00:00:00Z", scale: float 
     return path
 
 
-def test_report_draws_plots_and_tables_from_a_csv(tmp_path):
+def test_report_merges_runs_and_draws_plots_tables_and_readme(tmp_path):
     pytest.importorskip("matplotlib")
     run1 = _synthetic_csv(tmp_path / "run1.csv")
     run2 = _synthetic_csv(tmp_path / "run2.csv", date="2026-11-02T00:00:00Z", scale=0.5)
-    results = tmp_path / "results" / "results.csv"
+    results_dir = tmp_path / "results"
+    results = results_dir / "results.csv"
     assert report.append_results([run1], results) > 0
     assert report.append_results([run1], results) == 0  # rows already there are not repeated
-    assert report.append_results([run2], results) > 0
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nBefore.\n\n{report.BEGIN}\nold table\n{report.END}\n\nAfter.\n")
+    assert report.main([str(run2), "--results-dir", str(results_dir), "--readme", str(readme)]) == 0
     with results.open(newline="") as f:
         assert ",".join(next(csv.reader(f))) == HEADER
     rows = report.latest(report.read_rows(results))
     assert {r["date"] for r in rows} == {"2026-11-02T00:00:00Z"}  # the newest row of each case
-    written = report.draw(rows, tmp_path / "results")
-    pngs = [p for p in written if p.suffix == ".png"]
-    assert {p.name for p in pngs} >= {f"cross_entropy_bf16_v{shapes.TARGET_V}.png",
+    pngs = sorted(results_dir.glob("*.png"))
+    assert {p.name for p in pngs} == {f"cross_entropy_bf16_v{shapes.TARGET_V}.png",
                                       f"ratio_to_floor_n{shapes.TARGET_N}.png"}
     for p in pngs:
         assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 5000, p
-    table = (tmp_path / "results" / "table.md").read_text()
+    table = (results_dir / "table.md").read_text()
     assert f"cross_entropy fwd_bwd bf16 N={shapes.TARGET_N}" in table
     assert "| **jax_fusedloss** |" in table and "logsumexp forward" in table
-
-
-def test_report_rewrites_only_the_marked_readme_block(tmp_path):
-    pytest.importorskip("matplotlib")
-    results_dir = tmp_path / "results"
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nBefore.\n\n{report.BEGIN}\nold table\n{report.END}\n\nAfter.\n")
-    run = _synthetic_csv(tmp_path / "run.csv")
-    assert report.main([str(run), "--results-dir", str(results_dir), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# Title\n\nBefore.")
     assert text.rstrip().endswith("After.")
     block = text.split(report.BEGIN)[1].split(report.END)[0]
     assert "jax_fusedloss" in block and "results/cross_entropy_bf16_v128256.png" in block
+    assert "2026-11-02T00:00:00Z" in block and "2026-11-01" not in block
+
+
+def test_readme_without_markers_is_left_alone(tmp_path):
     plain = tmp_path / "PLAIN.md"
     plain.write_text("no markers\n")
     assert not report.rewrite_readme(plain, "table")
