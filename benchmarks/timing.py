@@ -1,8 +1,8 @@
 """Timing, peak memory and copy bandwidth for JAX and PyTorch callables.
 
 Both frameworks are timed the same way: one *call* applies the op to R different input
-buffers back to back (R > 1 only for inputs smaller than `ROTATE_BYTES`, so that a small
-input is not re-read from L2 and per-call overheads are amortised); one *sample* is G calls
+buffers back to back (R > 1 only for inputs smaller than `ROTATE_BYTES`: a mid-sized input is
+then not re-read from L2, and per-call overheads are amortised); one *sample* is G calls
 issued back to back, divided by G * R; the figures are the median and the 20th/80th
 percentiles of M samples, after warm-up (compilation excluded). PyTorch samples are timed
 with CUDA events on the current stream; JAX's stream is invisible to them, so a JAX sample is
