@@ -1,0 +1,95 @@
+"""Chunked pure-JAX log-sum-exp, entropy and token log-probs: the twin of kernels/reductions.py.
+
+Partial statistics of a set of logits z, relative to their max m: s = sum exp(z - m) and
+u = sum (z - m) exp(z - m); -inf entries add nothing and the identity is (-inf, 0, 0).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss._xla.chunks import chunk_layout, chunk_start, transform, write_chunks
+
+
+def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
+    """Merges partials (m, s[, u]) along `axis`; gradients stay finite at -inf entries."""
+    big = jnp.max(m, axis=axis, keepdims=True)
+    ref = jnp.where(jnp.isneginf(big), 0.0, big)
+    dead = jnp.isneginf(m)
+    w = jnp.exp(jnp.where(dead, -jnp.inf, m - ref))
+    s_out = jnp.sum(s * w, axis=axis)
+    m_out = jnp.squeeze(big, axis)
+    if u is None:
+        return m_out, s_out
+    shift = jnp.where(dead, 0.0, jnp.where(dead, ref, m) - ref)
+    return m_out, s_out, jnp.sum(w * (u + shift * s), axis=axis)
+
+
+def finish(m, s, u, zy, labels, vocab: int):
+    """(lse, entropy, logp) from merged partials; u, zy may be None (output None)."""
+    live = s > 0
+    s_safe = jnp.where(live, s, 1.0)
+    lse = jnp.where(live, jnp.where(jnp.isneginf(m), 0.0, m) + jnp.log(s_safe), -jnp.inf)
+    ent = None if u is None else jnp.where(live, jnp.log(s_safe) - u / s_safe, jnp.nan)
+    logp = None
+    if zy is not None:
+        bad = (labels < 0) | (labels >= vocab)
+        logp = jnp.where(bad | ~live, jnp.nan, zy - lse)
+    return lse, ent, logp
+
+
+def rows_fwd(x: jax.Array, y: jax.Array | None, opts):
+    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits, one chunked pass."""
+    n, vocab = x.shape
+    width, count = chunk_layout(vocab)
+    inv_temp = 1.0 / opts.temperature
+
+    def body(i, carry):
+        start, owned = chunk_start(i, vocab, width)
+        z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, None)
+        z = jnp.where(start + jnp.arange(width) >= owned, z, -jnp.inf)
+        mc = jnp.max(z, axis=1, keepdims=True)
+        d = z - jnp.where(jnp.isneginf(mc), 0.0, mc)
+        e = jnp.exp(d)
+        chunk = (mc[:, 0], e.sum(axis=1), (jnp.where(e > 0, d, 0.0) * e).sum(axis=1))
+        return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    m, s, u = jax.lax.fori_loop(0, count, body, (jnp.full((n,), -jnp.inf), zeros, zeros))
+    zy = None
+    if y is not None:
+        safe = jnp.clip(y, 0, vocab - 1)
+        zy, _ = transform(jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0], inv_temp, None)
+    return finish(m, s, u if opts.entropy else None, zy, y, vocab)
+
+
+def rows_bwd(x: jax.Array, y: jax.Array | None, lse, ent, cot, opts) -> jax.Array:
+    """Gradient for per-row cotangents cot = [N, 3] (g_lse, g_entropy, g_logp), chunk by chunk."""
+    vocab = x.shape[-1]
+    inv_temp = 1.0 / opts.temperature
+    live = ~jnp.isneginf(lse)
+    lse_safe = jnp.where(live, lse, 0.0)[:, None]
+    a = cot[:, 0]
+    c = jnp.where(live, cot[:, 1], 0.0) if opts.entropy else None
+    if c is not None:
+        a = a - c * jnp.where(live, ent, 0.0)
+    b = poison = None
+    if y is not None:
+        b = jnp.where(live, cot[:, 2], 0.0)
+        a = a - b
+        poison = ((y < 0) | (y >= vocab)) & (b != 0)
+    a = jnp.where(live, a, 0.0)[:, None]
+
+    def chunk_grad(cols, xc):
+        z, _ = transform(xc, inv_temp, None)
+        logp = z - lse_safe
+        p = jnp.exp(logp)
+        g = a * p
+        if c is not None:
+            g = g - c[:, None] * jnp.where(p > 0, logp, 0.0) * p
+        if b is not None:
+            g = jnp.where(cols[None, :] == y[:, None], g + b[:, None], g)
+            g = jnp.where(poison[:, None], jnp.nan, g)
+        return g * inv_temp
+
+    return write_chunks(x, x.dtype, chunk_grad)

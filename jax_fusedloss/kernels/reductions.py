@@ -1,0 +1,220 @@
+"""Split-vocabulary log-sum-exp, entropy and token log-probs: forward, merge, backward.
+
+Per row, with z = x * inv_temp, lse = logsumexp(z), p = softmax(z) and label y:
+    lse,    H = lse - sum_j p_j z_j = log(s) - u / s,    logp = z_y - lse,
+where, relative to the row max m, s = sum_j exp(z_j - m) and u = sum_j (z_j - m) exp(z_j - m).
+Keeping u relative to the running max (instead of sum z exp(z - m)) avoids the cancellation
+of lse - E[z] when the logits are large. A slice of the row gives partials (m, s, u, z_y or 0);
+partials merge with identity (-inf, 0, 0, 0).
+
+Gradient for per-row cotangents (g_lse, g_H, g_logp):
+    dx_j = inv_temp * (p_j * (g_lse - g_logp - g_H * H) - g_H * p_j log p_j + g_logp [j == y]).
+
+Conventions: a row whose logits are all -inf has lse = -inf, H = NaN, logp = NaN and a zero
+gradient. A label outside [0, V) is never used as an address: its logp is NaN and its
+gradient row is NaN only where that row's g_logp is nonzero.
+
+Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton only.
+"""
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels._online import (hint_multiple, load_tile, safe_max, stats_to_lse,
+                                           tile_update)
+from jax_fusedloss.kernels.launch import RowConfig, row_config
+
+
+@triton.jit
+def _rescale(m, s, u, m_to):
+    """Re-expresses (s, u), taken relative to max m, relative to m_to (a finite max, or 0)."""
+    alpha = tl.exp(m - m_to)
+    du = tl.where(m == float("-inf"), 0.0, m - m_to) * s
+    return s * alpha, (u + du) * alpha
+
+
+@triton.jit
+def _tile_update_ent(m, s, u, z):
+    """One online step for (max, sum exp(z - max), sum (z - max) exp(z - max))."""
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    ms = safe_max(m_new)
+    s, u = _rescale(m, s, u, ms)
+    d = z - ms
+    e = tl.exp(d)
+    s += tl.sum(e, axis=0)
+    u += tl.sum(tl.where(e > 0.0, d, 0.0) * e, axis=0)
+    return m_new, s, u
+
+
+@triton.jit
+def _red_slice_stats(row_ptr, label, start, stop, inv_temp, BLOCK_V: tl.constexpr,
+                     HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
+    """Partials (m, s, u, z[label] if label in [start, stop) else 0) of one slice of a row."""
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    u = tl.zeros([], tl.float32)
+    for off in range(start, stop, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        z, _ = load_tile(row_ptr, cols, cols < stop, inv_temp, 1.0, False)
+        if HAS_ENTROPY:
+            m, s, u = _tile_update_ent(m, s, u, z)
+        else:
+            m, s = tile_update(m, s, z)
+    zy = tl.zeros([], tl.float32)
+    if HAS_LABEL:
+        in_slice = (label >= start) & (label < stop)
+        zl, _ = load_tile(row_ptr, tl.where(in_slice, label, start), in_slice, inv_temp, 1.0,
+                          False)
+        zy = tl.where(in_slice, zl, 0.0)
+    return m, s, u, zy
+
+
+@triton.jit
+def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr,
+                HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
+    """Writes a row's lse and, if asked, entropy and label log-prob from its merged partials."""
+    lse = stats_to_lse(m, s)
+    tl.store(lse_ptr + row, lse)
+    live = s > 0.0
+    if HAS_ENTROPY:
+        s_safe = tl.where(live, s, 1.0)
+        ent = tl.where(live, tl.log(s_safe) - u / s_safe, float("nan"))
+        tl.store(ent_ptr + row, ent)
+    if HAS_LABEL:
+        bad = (label < 0) | (label >= V)
+        tl.store(logp_ptr + row, tl.where(bad | ~live, float("nan"), zy - lse))
+
+
+@triton.jit
+def red_fwd_kernel(
+    # pointers
+    logits_ptr, labels_ptr,
+    # sizes, strides, options
+    V, stride_row, inv_temp,
+    # outputs: partials float32 [N, NUM_SPLITS, 4] = (m, s, u, z[y] or 0) unless FINISH;
+    # per-row lse, entropy, log-prob if FINISH (unused ones may be 1-element dummies)
+    part_ptr, lse_ptr, ent_ptr, logp_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_LABEL: tl.constexpr, FINISH: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid (N, NUM_SPLITS): the partials of one vocabulary slice; with FINISH (row path,
+    grid (N,)) the whole row in one program and its outputs directly, with no merge launch."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    if FINISH:
+        start = 0
+        stop = V
+    else:
+        start = tl.program_id(1) * SPLIT_V
+        stop = tl.minimum(start + SPLIT_V, V)
+    label = -1
+    if HAS_LABEL:
+        label = tl.load(labels_ptr + row).to(tl.int32)
+    m, s, u, zy = _red_slice_stats(logits_ptr + row * stride_row, label, start, stop, inv_temp,
+                                   BLOCK_V, HAS_ENTROPY, HAS_LABEL)
+    if FINISH:
+        _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, HAS_ENTROPY,
+                    HAS_LABEL)
+    else:
+        out = part_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * 4
+        tl.store(out, m)
+        tl.store(out + 1, s)
+        tl.store(out + 2, u)
+        tl.store(out + 3, zy)
+
+
+@triton.jit
+def red_merge_kernel(
+    # pointers
+    part_ptr, labels_ptr,
+    # sizes
+    V,
+    # outputs (unused ones may be 1-element dummies)
+    lse_ptr, ent_ptr, logp_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_LABEL: tl.constexpr,
+):
+    """Split path, grid (N,): merges a row's NUM_SPLITS partials and finishes the row."""
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK_S)
+    valid = idx < NUM_SPLITS
+    base = part_ptr + (row * NUM_SPLITS + idx) * 4
+    m_i = tl.load(base, mask=valid, other=float("-inf"))
+    s_i = tl.load(base + 1, mask=valid, other=0.0)
+    u_i = tl.load(base + 2, mask=valid, other=0.0)
+    m = tl.max(m_i, axis=0)
+    s_i, u_i = _rescale(m_i, s_i, u_i, safe_max(m))
+    label = -1
+    zy = tl.zeros([], tl.float32)
+    if HAS_LABEL:
+        label = tl.load(labels_ptr + row).to(tl.int32)
+        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
+    _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
+                logp_ptr, HAS_ENTROPY, HAS_LABEL)
+
+
+@triton.jit
+def red_bwd_kernel(
+    # pointers: cot is float32 [N, 3] = (g_lse, g_entropy, g_logp); ent unused without
+    # HAS_ENTROPY, labels unused without HAS_LABEL
+    logits_ptr, labels_ptr, lse_ptr, ent_ptr, cot_ptr,
+    # sizes, strides, options
+    V, stride_row, inv_temp,
+    # outputs
+    grad_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_LABEL: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid (N, NUM_SPLITS): the gradient of one slice for the combined cotangents."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * SPLIT_V
+    stop = tl.minimum(start + SPLIT_V, V)
+    lse = tl.load(lse_ptr + row)
+    live = lse != float("-inf")  # an all -inf row gets a zero gradient
+    lse_safe = tl.where(live, lse, 0.0)
+    a = tl.load(cot_ptr + row * 3)
+    c = tl.zeros([], tl.float32)
+    if HAS_ENTROPY:
+        c = tl.where(live, tl.load(cot_ptr + row * 3 + 1), 0.0)
+        a -= c * tl.where(live, tl.load(ent_ptr + row), 0.0)
+    label = -1
+    b = tl.zeros([], tl.float32)
+    poison = False
+    if HAS_LABEL:
+        label = tl.load(labels_ptr + row).to(tl.int32)
+        b = tl.where(live, tl.load(cot_ptr + row * 3 + 2), 0.0)
+        a -= b
+        poison = ((label < 0) | (label >= V)) & (b != 0.0)
+    a = tl.where(live, a, 0.0)
+    row_ptr = logits_ptr + row * stride_row
+    for off in range(start, stop, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < stop
+        z, _ = load_tile(row_ptr, cols, mask, inv_temp, 1.0, False)
+        logp = z - lse_safe
+        p = tl.exp(logp)
+        g = a * p
+        if HAS_ENTROPY:
+            g -= c * tl.where(p > 0.0, logp, 0.0) * p
+        if HAS_LABEL:
+            g = tl.where(cols == label, g + b, g)
+            g = tl.where(poison, float("nan"), g)
+        tl.store(grad_ptr + row * V + cols, (g * inv_temp).to(grad_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def reduction_config(n_rows: int, vocab: int, itemsize: int, num_sms: int,
+                     write_grad: bool = False) -> RowConfig:
+    """Launch configuration: the shared row/split heuristic (row path when num_splits == 1);
+    `write_grad` for the backward, which writes a gradient as it reads the logits."""
+    return row_config(n_rows, vocab, itemsize, num_sms, write_grad)
+
+
+def merge_block(num_splits: int) -> int:
+    """BLOCK_S of red_merge_kernel: the splits rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(num_splits))

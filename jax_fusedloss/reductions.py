@@ -1,0 +1,319 @@
+"""Log-sum-exp, entropy and token log-probs over the vocabulary, and the merge of partials."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss._xla import reductions as _xla_red
+
+
+class RedOptions(NamedTuple):
+    temperature: float
+    entropy: bool  # compute (and differentiate) the entropy
+    implementation: str
+
+
+# ----------------------------------------------------------------------------- Triton launches
+def _config(x, write_grad: bool = False):
+    from jax_fusedloss.kernels import reductions as k
+
+    n, vocab = x.shape
+    return k, k.reduction_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
+
+
+def _flags(opts: RedOptions, has_label: bool) -> dict:
+    return dict(HAS_ENTROPY=opts.entropy, HAS_LABEL=has_label)
+
+
+def _triton_rows_fwd(x, y, opts: RedOptions):
+    """Per-row (lse, entropy or None, logp or None) through red_fwd_kernel (+ merge kernel)."""
+    f32 = jnp.float32
+    has_label = y is not None
+
+    def body(x, *maybe_y):  # no default argument: custom_vmap would pass it on as an operand
+        k, cfg = _config(x)
+        n, vocab = x.shape
+        labels = maybe_y[0] if has_label else jnp.zeros((1,), jnp.int32)
+        row = jax.ShapeDtypeStruct((n,), f32)
+        dummy = jax.ShapeDtypeStruct((1,), f32)
+        outs = [row, row if opts.entropy else dummy, row if has_label else dummy]
+        flags = dict(_flags(opts, has_label), ALIGN=cfg.align)
+        if cfg.num_splits == 1:
+            _, *outs = _triton_jax.launch(
+                k.red_fwd_kernel, grid=(n,), inputs=[x, labels],
+                scalars=[vocab, vocab, 1.0 / opts.temperature], out_shapes=[dummy] + outs,
+                num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, **flags))
+        else:
+            (part, *_) = _triton_jax.launch(
+                k.red_fwd_kernel, grid=(n, cfg.num_splits), inputs=[x, labels],
+                scalars=[vocab, vocab, 1.0 / opts.temperature],
+                out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)] + [dummy] * 3,
+                num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, **flags))
+            outs = _triton_jax.launch(
+                k.red_merge_kernel, grid=(n,), inputs=[part, labels], scalars=[vocab],
+                out_shapes=outs, num_warps=1,
+                constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits),
+                                **_flags(opts, has_label)))
+        return tuple(o for o, want in zip(outs, (True, opts.entropy, has_label)) if want)
+
+    outs = iter(_triton_jax.rowwise(body)(*((x, y) if has_label else (x,))))
+    lse = next(outs)
+    return lse, next(outs) if opts.entropy else None, next(outs) if has_label else None
+
+
+def _triton_rows_bwd(x, y, lse, ent, cot, opts: RedOptions):
+    has_label = y is not None
+
+    def body(x, lse, ent, cot, *maybe_y):
+        k, cfg = _config(x, write_grad=True)
+        n, vocab = x.shape
+        (grad,) = _triton_jax.launch(
+            k.red_bwd_kernel, grid=(n, cfg.num_splits),
+            inputs=[x, maybe_y[0] if has_label else jnp.zeros((1,), jnp.int32), lse, ent, cot],
+            scalars=[vocab, vocab, 1.0 / opts.temperature],
+            out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
+            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                            **_flags(opts, has_label)))
+        return (grad,)
+
+    ent = lse if ent is None else ent  # read only with HAS_ENTROPY
+    args = (x, lse, ent, cot) + ((y,) if has_label else ())
+    return _triton_jax.rowwise(body)(*args)[0]
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+class _Backend(NamedTuple):
+    rows_fwd: object  # (x, y or None, opts) -> (lse, entropy or None, logp or None)
+    rows_bwd: object  # (x, y or None, lse, entropy or None, cot [N, 3], opts) -> grad
+
+
+_BACKENDS = {
+    "triton": _Backend(_triton_rows_fwd, _triton_rows_bwd),
+    "xla": _Backend(_xla_red.rows_fwd, _xla_red.rows_bwd),
+}
+
+
+class _Residuals(NamedTuple):
+    x: jax.Array
+    y: jax.Array | None
+    lse: jax.Array
+    ent: jax.Array | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rows(x, y, opts: RedOptions):
+    return _BACKENDS[opts.implementation].rows_fwd(x, y, opts)
+
+
+def _rows_fwd(x, y, opts: RedOptions):
+    lse, ent, logp = _BACKENDS[opts.implementation].rows_fwd(x, y, opts)
+    return (lse, ent, logp), _Residuals(x, y, lse, ent)
+
+
+def _rows_bwd(opts: RedOptions, res: _Residuals, cts):
+    zeros = jnp.zeros(res.lse.shape, jnp.float32)
+    cot = jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
+    grad = _BACKENDS[opts.implementation].rows_bwd(res.x, res.y, res.lse, res.ent, cot, opts)
+    return grad, None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _impl(name: str):
+    def run(x, y, opts: RedOptions):
+        if name == "triton":
+            _triton_jax.check_triton_available()
+        return _rows(x, y, opts._replace(implementation=name))
+
+    return run
+
+
+def _compute(logits, labels, temperature, entropy: bool, implementation):
+    """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
+    _common.check_logits(logits)
+    if labels is not None:
+        _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
+    _common.check_implementation(implementation)
+    try:
+        temperature = float(temperature)  # a traced value raises ConcretizationTypeError here
+    except TypeError as e:
+        raise TypeError(f"temperature must be a static Python float, got {temperature!r}") from e
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature={temperature} must be a finite number > 0")
+    lead = logits.shape[:-1]
+    x = _common.flatten_rows(logits)
+    y = None if labels is None else labels.reshape(-1).astype(jnp.int32)
+    if x.shape[0] == 0:
+        empty = jnp.zeros(lead, jnp.float32)
+        return empty, empty, empty
+    opts = RedOptions(temperature, entropy, "")
+    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
+    outs = _common.dispatch(impls, implementation, x, y, opts)
+    return tuple(None if o is None else o.reshape(lead) for o in outs)
+
+
+# ----------------------------------------------------------------------------- public API
+def logsumexp(logits: jax.Array, *, temperature: float = 1.0,
+              implementation: str | None = None) -> jax.Array:
+    r"""Log-sum-exp over the last axis, in one read of the logits.
+
+    With :math:`z = \mathrm{logits} / T` (`temperature` T):
+
+    .. math::
+        \mathrm{lse} = \log \sum_j e^{z_j}, \qquad
+        \frac{\partial\, \mathrm{lse}}{\partial\, \mathrm{logits}_j} = \mathrm{softmax}(z)_j / T
+
+    Rows that are few but long are split over several programs (two-level reduction: partial
+    `(max, sum)` per vocabulary slice, then a merge; see `merge_partials`).
+
+    Args:
+      logits: `[..., V]` float32, bfloat16 or float16.
+      temperature: a static float > 0.
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      float32 `[...]`; `-inf` for a row whose logits are all `-inf` (its gradient is zero).
+      The gradient w.r.t. `logits` has the logits' dtype.
+
+    Raises:
+      TypeError / ValueError at trace time for non-float logits, a bad temperature or an
+      unknown implementation.
+
+    Example:
+      >>> logits = jax.random.normal(jax.random.key(0), (8, 1000))
+      >>> lse = logsumexp(logits)  # == jax.nn.logsumexp(logits, axis=-1)
+    """
+    return _compute(logits, None, temperature, False, implementation)[0]
+
+
+def entropy(logits: jax.Array, *, temperature: float = 1.0,
+            implementation: str | None = None) -> jax.Array:
+    r"""Entropy of softmax(logits / temperature) over the last axis, in one read.
+
+    With :math:`z = \mathrm{logits} / T` and :math:`p = \mathrm{softmax}(z)`:
+
+    .. math::
+        H = -\sum_j p_j \log p_j = \mathrm{lse}(z) - \sum_j p_j z_j, \qquad
+        \frac{\partial H}{\partial\, \mathrm{logits}_j} = -p_j(\log p_j + H) / T
+
+    The sum is kept relative to the running max, so H stays accurate for large logits.
+    Entries equal to `-inf` (masked tokens) have p = 0 and add nothing.
+
+    Args:
+      logits: `[..., V]` float32, bfloat16 or float16.
+      temperature: a static float > 0.
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      float32 `[...]` in nats; NaN for a row whose logits are all `-inf` (no distribution;
+      its gradient is zero).
+
+    Raises:
+      TypeError / ValueError at trace time, as `logsumexp`.
+
+    Example:
+      >>> logits = jax.random.normal(jax.random.key(0), (8, 1000))
+      >>> h = entropy(logits, temperature=0.7)
+    """
+    return _compute(logits, None, temperature, True, implementation)[1]
+
+
+def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float = 1.0,
+                   return_entropy: bool = False, implementation: str | None = None,
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    r"""Log-probability of each label under softmax(logits / temperature), and its entropy.
+
+    The per-token quantities of RL fine-tuning (PPO, GRPO): with
+    :math:`z = \mathrm{logits} / T`,
+
+    .. math::
+        \log p_y = z_y - \mathrm{lse}(z), \qquad
+        \frac{\partial \log p_y}{\partial\, \mathrm{logits}_j} = ([j = y] - p_j) / T
+
+    With `return_entropy`, the entropy (see `entropy`) comes from the same pass over the
+    logits, and the backward of both outputs is one pass as well.
+
+    Args:
+      logits: `[..., V]` float32, bfloat16 or float16.
+      labels: `[...]` integer token ids in `[0, V)`.
+      temperature: a static float > 0.
+      return_entropy: also return the entropy `[...]`.
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      float32 `[...]` log-probs, or `(logprobs, entropy)`. A label outside `[0, V)` is never
+      used as an address: its log-prob is NaN, and its gradient row is NaN only if that
+      log-prob's cotangent is nonzero (so `jnp.where(valid, logp, 0)` masks it cleanly); the
+      entropy of that row is unaffected. A row whose logits are all `-inf` gives NaN log-prob
+      and entropy and a zero gradient; a finite row gives `-inf` for a label whose logit is
+      `-inf`.
+
+    Raises:
+      TypeError / ValueError at trace time for non-float logits, non-integer labels,
+      `labels.shape != logits.shape[:-1]`, a bad temperature or an unknown implementation.
+
+    Example:
+      >>> logits = jax.random.normal(jax.random.key(0), (4, 16, 1000))
+      >>> tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 1000)
+      >>> logp, h = token_logprobs(logits, tokens, return_entropy=True)
+    """
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"return_entropy={return_entropy!r} must be a bool")
+    if labels is None:
+        raise TypeError("labels must be an integer array `[...]`, got None")
+    _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation)
+    return (logp, ent) if return_entropy else logp
+
+
+def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | None = None,
+                   *, axis: int = -1) -> tuple[jax.Array, ...]:
+    r"""Merges partial softmax statistics of disjoint vocabulary slices along `axis`.
+
+    Slice i of a row's logits z gives :math:`m_i = \max z`, :math:`s_i = \sum e^{z - m_i}`
+    and, for the entropy, :math:`u_i = \sum (z - m_i)\, e^{z - m_i}`. Merging:
+
+    .. math::
+        m = \max_i m_i, \quad s = \sum_i s_i e^{m_i - m}, \quad
+        u = \sum_i e^{m_i - m} (u_i + (m_i - m) s_i)
+
+    and then :math:`\mathrm{lse} = m + \log s`, :math:`H = \log s - u / s`. The identity is
+    `(-inf, 0, 0)`: an empty or all `-inf` slice changes nothing, and a row with no finite
+    entry merges to `(-inf, 0, 0)`. The shard-local results of this package are partials
+    already: `(logsumexp(z_i), 1, -entropy(z_i))`, e.g. gathered across a mesh axis with
+    `jax.lax.all_gather(..., axis_name, axis=-1)` for vocabulary-parallel logits. Pure JAX and
+    differentiable; gradients stay finite at `-inf` entries.
+
+    Args:
+      max: `[..., S, ...]` float partial maxima (`-inf` for an empty slice).
+      sumexp: partial sums of `exp(z - max)`, the shape of `max`.
+      shifted_sum: optional partial sums of `(z - max) * exp(z - max)`, the shape of `max`.
+      axis: the axis of `max` that indexes the slices.
+
+    Returns:
+      `(max, sumexp)` or, with `shifted_sum`, `(max, sumexp, shifted_sum)`, each with `axis`
+      removed.
+
+    Raises:
+      ValueError if the shapes differ.
+
+    Example:
+      >>> z = jax.random.normal(jax.random.key(0), (4, 3000))
+      >>> parts = jnp.stack([logsumexp(c) for c in jnp.split(z, 3, axis=-1)], -1)
+      >>> m, s = merge_partials(parts, jnp.ones_like(parts))
+      >>> lse = m + jnp.log(s)  # == logsumexp(z)
+    """
+    arrays = [a for a in (max, sumexp, shifted_sum) if a is not None]
+    shapes = [jnp.shape(a) for a in arrays]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError(f"max, sumexp and shifted_sum must share one shape, got {shapes}")
+    arrays = [jnp.asarray(a, jnp.result_type(float, *arrays)) for a in arrays]
+    return _xla_red.merge_stats(arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None,
+                                axis)

@@ -1,0 +1,127 @@
+"""Log-sum-exp, entropy and token log-probs from PyTorch over the same Triton kernels, plus
+the plain-PyTorch formulas (the float64 oracle)."""
+from __future__ import annotations
+
+import torch
+
+from jax_fusedloss.kernels import reductions as k
+from torch_ref import _launch
+from torch_ref._launch import launch
+
+
+def _check_temperature(temperature) -> float:
+    temperature = float(temperature)
+    if not (0 < temperature < float("inf")):
+        raise ValueError(f"temperature={temperature} must be a finite number > 0")
+    return temperature
+
+
+def _fwd(x, y, inv_temp, want_entropy):
+    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits."""
+    n, vocab = x.shape
+    cfg = k.reduction_config(n, vocab, x.element_size(), _launch.num_sms(x))
+    f32 = dict(dtype=torch.float32, device=x.device)
+    has_label = y is not None
+    labels = y if has_label else torch.zeros(1, dtype=torch.int32, device=x.device)
+    dummy = torch.empty(1, **f32)
+    outs = [torch.empty(n, **f32), torch.empty(n, **f32) if want_entropy else dummy,
+            torch.empty(n, **f32) if has_label else dummy]
+    flags = dict(HAS_ENTROPY=want_entropy, HAS_LABEL=has_label)
+    if cfg.num_splits == 1:
+        launch(k.red_fwd_kernel, (n,), [x, labels], [vocab, x.stride(0), inv_temp],
+               [dummy] + outs, cfg.num_warps,
+               dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, ALIGN=cfg.align,
+                    **flags))
+    else:
+        part = torch.empty(n, cfg.num_splits, 4, **f32)
+        launch(k.red_fwd_kernel, (n, cfg.num_splits), [x, labels], [vocab, x.stride(0), inv_temp],
+               [part, dummy, dummy, dummy], cfg.num_warps,
+               dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
+                    **flags))
+        launch(k.red_merge_kernel, (n,), [part, labels], [vocab], outs, 1,
+               dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits), **flags))
+    lse, ent, logp = outs
+    return lse, ent if want_entropy else None, logp if has_label else None
+
+
+def _bwd(x, y, lse, ent, cot, inv_temp, want_entropy):
+    n, vocab = x.shape
+    cfg = k.reduction_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad=True)
+    labels = y if y is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
+    grad = torch.empty_like(x)
+    launch(k.red_bwd_kernel, (n, cfg.num_splits),
+           [x, labels, lse, ent if ent is not None else lse, cot],
+           [vocab, x.stride(0), inv_temp], [grad], cfg.num_warps,
+           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                HAS_ENTROPY=want_entropy, HAS_LABEL=y is not None))
+    return grad
+
+
+class _Reductions(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, inv_temp, want_entropy):
+        vocab = logits.shape[-1]
+        x = logits.reshape(-1, vocab).contiguous()
+        y = None if labels is None else labels.reshape(-1).to(torch.int32).contiguous()
+        lse, ent, logp = _fwd(x, y, inv_temp, want_entropy)
+        ctx.inv_temp, ctx.want_entropy, ctx.shape = inv_temp, want_entropy, logits.shape
+        ctx.has_label = y is not None
+        ctx.save_for_backward(x, y, lse, ent)
+        ctx.set_materialize_grads(False)
+        lead = logits.shape[:-1]
+        return tuple(None if o is None else o.reshape(lead) for o in (lse, ent, logp))
+
+    @staticmethod
+    def backward(ctx, g_lse, g_ent, g_logp):
+        x, y, lse, ent = ctx.saved_tensors
+        cot = torch.zeros(x.shape[0], 3, dtype=torch.float32, device=x.device)
+        for i, g in enumerate((g_lse, g_ent, g_logp)):
+            if g is not None:
+                cot[:, i] = g.reshape(-1).float()
+        grad = _bwd(x, y, lse, ent, cot, ctx.inv_temp, ctx.want_entropy)
+        return grad.reshape(ctx.shape), None, None, None
+
+
+def _apply(logits, labels, temperature, want_entropy):
+    return _Reductions.apply(logits, labels, 1.0 / _check_temperature(temperature), want_entropy)
+
+
+def logsumexp(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """`jax_fusedloss.logsumexp` from PyTorch, on the same Triton kernels (see its docs)."""
+    return _apply(logits, None, temperature, False)[0]
+
+
+def entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """`jax_fusedloss.entropy` from PyTorch, on the same Triton kernels (see its docs)."""
+    return _apply(logits, None, temperature, True)[1]
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                   return_entropy: bool = False):
+    """`jax_fusedloss.token_logprobs` from PyTorch, on the same Triton kernels (see its docs)."""
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal "
+                         f"logits.shape[:-1]={tuple(logits.shape[:-1])}")
+    _, ent, logp = _apply(logits, labels, temperature, bool(return_entropy))
+    return (logp, ent) if return_entropy else logp
+
+
+def reductions_reference(logits: torch.Tensor, labels: torch.Tensor | None = None, *,
+                         temperature: float = 1.0, dtype: torch.dtype = torch.float64):
+    """(lse, entropy, logp or None) by the naive formulas in plain PyTorch at `dtype`.
+
+    Materialises the softmax; for tests. -inf logits add nothing to the entropy (and keep
+    autograd finite); out-of-range labels give NaN log-probs like the kernels.
+    """
+    z = logits.to(dtype) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    finite_z = torch.where(torch.isneginf(z), torch.zeros_like(z), z)
+    ent = lse - (p * finite_z).sum(dim=-1)
+    if labels is None:
+        return lse, ent, None
+    vocab = z.shape[-1]
+    bad = (labels < 0) | (labels >= vocab)
+    zy = torch.gather(z, -1, labels.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
+    logp = torch.where(bad, torch.full_like(lse, float("nan")), zy - lse)
+    return lse, ent, logp
