@@ -1,0 +1,40 @@
+"""`import jax_fusedloss` works without a GPU and leaves Triton usable in the same process."""
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["TRITON_CACHE_DIR"] = os.environ["CHECK_CACHE_DIR"]
+    import jax, jax.numpy as jnp
+    import jax_fusedloss
+    from jax_fusedloss import _triton_jax
+    loss = jax_fusedloss.cross_entropy(jnp.zeros((2, 8)), jnp.zeros((2,), jnp.int32))
+    assert abs(float(loss) - float(jnp.log(8.0))) < 1e-6, loss
+    try:  # jax-triton 0.3.1 blanks TRITON_CACHE_DIR on import, then fails without a GPU
+        _triton_jax._jax_triton()
+    except ImportError:
+        pass
+    assert os.environ["TRITON_CACHE_DIR"] == os.environ["CHECK_CACHE_DIR"], "cache dir lost"
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
+    sig = dict(grad_in_ptr="*bf16", cot_ptr="*fp32", V="i32", grad_out_ptr="*bf16",
+               BLOCK_V="constexpr", ALIGN="constexpr")
+    triton.compile(ASTSource(scale_rows_kernel, sig, dict(BLOCK_V=1024, ALIGN=16)),
+                   target=GPUTarget("cuda", 90, 32))
+    print("ok")
+""")
+
+
+def test_import_keeps_triton_usable(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CHECK_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
