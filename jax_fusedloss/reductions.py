@@ -285,9 +285,10 @@ def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | N
         u = \sum_i e^{m_i - m} (u_i + (m_i - m) s_i)
 
     and then :math:`\mathrm{lse} = m + \log s`, :math:`H = \log s - u / s`. The identity is
-    `(-inf, 0, 0)`: an empty or all `-inf` slice changes nothing, and a row with no finite
-    entry merges to `(-inf, 0, 0)`. The shard-local results of this package are partials
-    already: `(logsumexp(z_i), 1, -entropy(z_i))`, e.g. gathered across a mesh axis with
+    `(-inf, 0, 0)`: a partial whose max is `-inf` (an empty or all `-inf` slice) changes
+    nothing whatever its other entries, and a row with no finite entry merges to
+    `(-inf, 0, 0)`. The shard-local results of this package are partials already:
+    `(logsumexp(z_i), 1, -entropy(z_i))`, e.g. gathered across a mesh axis with
     `jax.lax.all_gather(..., axis_name, axis=-1)` for vocabulary-parallel logits. Pure JAX and
     differentiable; gradients stay finite at `-inf` entries.
 
@@ -299,7 +300,7 @@ def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | N
 
     Returns:
       `(max, sumexp)` or, with `shifted_sum`, `(max, sumexp, shifted_sum)`, each with `axis`
-      removed.
+      removed, in float32 (or float64 for float64 inputs).
 
     Raises:
       ValueError if the shapes differ.
@@ -314,6 +315,7 @@ def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | N
     shapes = [jnp.shape(a) for a in arrays]
     if any(s != shapes[0] for s in shapes):
         raise ValueError(f"max, sumexp and shifted_sum must share one shape, got {shapes}")
-    arrays = [jnp.asarray(a, jnp.result_type(float, *arrays)) for a in arrays]
+    dtype = jnp.promote_types(jnp.result_type(*arrays), jnp.float32)  # at least float32
+    arrays = [jnp.asarray(a, dtype) for a in arrays]
     return _xla_red.merge_stats(arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None,
                                 axis)

@@ -12,17 +12,18 @@ from jax_fusedloss._xla.chunks import chunk_layout, chunk_start, transform, writ
 
 
 def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
-    """Merges partials (m, s[, u]) along `axis`; gradients stay finite at -inf entries."""
+    """Merges partials (m, s[, u]) along `axis`. A partial with m = -inf counts as the identity
+    whatever its s and u (e.g. the NaN entropy of an all -inf shard); gradients stay finite."""
     big = jnp.max(m, axis=axis, keepdims=True)
     ref = jnp.where(jnp.isneginf(big), 0.0, big)
     dead = jnp.isneginf(m)
-    w = jnp.exp(jnp.where(dead, -jnp.inf, m - ref))
-    s_out = jnp.sum(s * w, axis=axis)
+    shift = jnp.where(dead, 0.0, m) - ref  # used only where m is finite
+    w = jnp.where(dead, 0.0, jnp.exp(shift))
+    s_out = jnp.sum(jnp.where(dead, 0.0, s) * w, axis=axis)
     m_out = jnp.squeeze(big, axis)
     if u is None:
         return m_out, s_out
-    shift = jnp.where(dead, 0.0, jnp.where(dead, ref, m) - ref)
-    return m_out, s_out, jnp.sum(w * (u + shift * s), axis=axis)
+    return m_out, s_out, jnp.sum(jnp.where(dead, 0.0, w * (u + shift * s)), axis=axis)
 
 
 def finish(m, s, u, zy, labels, vocab: int):
