@@ -1,0 +1,135 @@
+"""Chunked pure-JAX top-K distillation: the per-row statistics and gradient of kernels/kd.py.
+
+The vocabulary is walked once in chunks for both online softmaxes (of x for the
+cross-entropy of distill_loss, of x / T for the KD term); the gradient is written chunk by
+chunk, then the K teacher columns are overwritten with their complete values.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss._xla.chunks import chunk_layout, chunk_start, lse_from_stats, write_chunks
+from jax_fusedloss._xla.cross_entropy import label_state
+
+
+def kd_stats_needed(opts) -> bool:
+    """Whether the KD term needs its own softmax of x / T (see kernels.kd.kd_constexprs)."""
+    return opts.normalize == "full" and not (opts.distill and opts.temperature == 1.0)
+
+
+def _update(m, s, z):
+    m_new = jnp.maximum(m, z.max(axis=1))
+    ms = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    return m_new, s * jnp.exp(m - ms) + jnp.exp(z - ms[:, None]).sum(axis=1)
+
+
+def vocab_lse(x: jax.Array, scales: tuple[float, ...]) -> tuple[jax.Array, ...]:
+    """logsumexp over the vocabulary of x * scale for each scale, in one walk; float32 [N]."""
+    n, vocab = x.shape
+    width, count = chunk_layout(vocab)
+
+    def body(i, carry):
+        start, owned = chunk_start(i, vocab, width)
+        z = jax.lax.dynamic_slice_in_dim(x, start, width, axis=1).astype(jnp.float32)
+        z = jnp.where((start + jnp.arange(width)) >= owned, z, -jnp.inf)
+        return tuple(_update(m, s, z * scale) for (m, s), scale in zip(carry, scales))
+
+    init = tuple((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
+                 for _ in scales)
+    return tuple(lse_from_stats(m, s) for m, s in jax.lax.fori_loop(0, count, body, init))
+
+
+def _entries(x, ids, lp, y, opts):
+    """(valid, p, x[ids] float32, active, bad) for [N, K] teacher entries."""
+    vocab = x.shape[1]
+    valid = (ids >= 0) & (ids < vocab)
+    if opts.distill:
+        ignored, bad = label_state(y, vocab, opts.ignore_index)
+        active = ~ignored
+        valid = valid & active[:, None]
+    else:
+        active = jnp.ones(ids.shape[:1], bool)
+        bad = jnp.zeros(ids.shape[:1], bool)
+    p = jnp.where(valid, jnp.exp(lp), 0.0)
+    xk = jnp.take_along_axis(x, jnp.where(valid, ids, 0), axis=1).astype(jnp.float32)
+    return valid, p, xk, active, bad
+
+
+def rows_fwd(x, ids, lp, y, row_scale, opts):
+    """Per-row loss [N] and stats [N, 5] = (lse(x), L, P, ce_a, kd_a); see kernels/kd.py."""
+    inv_temp = 1.0 / opts.temperature
+    kd_stats = kd_stats_needed(opts)
+    scales = (1.0,) * opts.distill + (inv_temp,) * kd_stats
+    lses = vocab_lse(x, scales) if scales else ()
+    neg = jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
+    lse_x = lses[0] if opts.distill else neg
+    valid, p, xk, active, bad = _entries(x, ids, lp, y, opts)
+    sk = xk * inv_temp
+    if opts.normalize == "full":
+        L = lses[-1] if kd_stats else lse_x
+    else:
+        zk = jnp.where(valid, sk, -jnp.inf)
+        mk = zk.max(axis=1)
+        L = lse_from_stats(mk, jnp.exp(zk - jnp.where(jnp.isneginf(mk), 0.0, mk)[:, None])
+                           .sum(axis=1))
+    kd = jnp.where(p > 0, p * (lp - (sk - L[:, None])), 0.0).sum(axis=1)
+    P = p.sum(axis=1)
+    ce_a = jnp.where(active, row_scale[:, 0], 0.0)
+    kd_a = jnp.where(active, row_scale[:, 1], 0.0)
+    loss = kd_a * kd
+    if opts.distill:
+        safe = jnp.clip(y, 0, x.shape[1] - 1)
+        xy = jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0].astype(jnp.float32)
+        loss = loss + jnp.where(active, ce_a * (lse_x - xy), 0.0)
+        loss = jnp.where(bad, jnp.nan, loss)
+    return loss, jnp.stack([lse_x, L, P, ce_a, kd_a], axis=1)
+
+
+def _duplicate_sums(ids, valid, p):
+    """Per entry: the sum of p and the count over the valid entries sharing its id ([N, K])."""
+    def body(j, carry):
+        sum_p, count = carry
+        same = (ids == jax.lax.dynamic_slice_in_dim(ids, j, 1, axis=1)) & \
+            jax.lax.dynamic_slice_in_dim(valid, j, 1, axis=1)
+        return (sum_p + jnp.where(same, jax.lax.dynamic_slice_in_dim(p, j, 1, axis=1), 0.0),
+                count + same)
+
+    zeros = jnp.zeros(ids.shape, jnp.float32)
+    return jax.lax.fori_loop(0, ids.shape[1], body, (zeros, zeros))
+
+
+def rows_bwd(x, ids, lp, y, stats, opts):
+    """Gradient w.r.t. x for per-row weights stats[:, 3:5] (cotangent already folded in)."""
+    n, vocab = x.shape
+    inv_temp = 1.0 / opts.temperature
+    full = opts.normalize == "full"
+    lse_x, L, P, ce_a, kd_a = (stats[:, i] for i in range(5))
+    lse_safe = jnp.where(jnp.isneginf(lse_x), 0.0, lse_x)
+    L_safe = jnp.where(jnp.isneginf(L), 0.0, L)
+    valid, p, xk, _, bad = _entries(x, ids, lp, y, opts)
+    coef_s = kd_a * inv_temp * P
+
+    def chunk_grad(cols, xc):
+        z = xc.astype(jnp.float32)
+        g = jnp.zeros(z.shape, jnp.float32)
+        if opts.distill:
+            g = ce_a[:, None] * (jnp.exp(z - lse_safe[:, None])
+                                 - (cols[None, :] == y[:, None]))
+        if full:
+            g = g + coef_s[:, None] * jnp.exp(z * inv_temp - L_safe[:, None])
+        return jnp.where(bad[:, None], jnp.nan, g)
+
+    if opts.distill or full:
+        grad = write_chunks(x, x.dtype, chunk_grad)
+    else:
+        grad = jnp.zeros(x.shape, x.dtype)
+    sum_p, count = _duplicate_sums(ids, valid, p)
+    q = jnp.exp(xk * inv_temp - L_safe[:, None])
+    mult = P[:, None] if full else P[:, None] * count
+    g = (kd_a * inv_temp)[:, None] * (mult * q - sum_p)
+    if opts.distill:
+        g = g + ce_a[:, None] * (jnp.exp(xk - lse_safe[:, None]) - (ids == y[:, None]))
+        g = jnp.where(bad[:, None], jnp.nan, g)
+    cols = jnp.where(valid, ids, vocab)
+    return grad.at[jnp.arange(n)[:, None], cols].set(g.astype(x.dtype), mode="drop")

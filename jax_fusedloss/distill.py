@@ -1,0 +1,111 @@
+"""distill_loss: label cross-entropy plus top-K distillation in one pass over the logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common
+from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
+                              prepare_entries, run_rows)
+
+
+def distill_loss(
+    student_logits: jax.Array,
+    labels: jax.Array,
+    teacher_ids: jax.Array,
+    teacher_logprobs: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    alpha: float,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    normalize: str = "full",
+    reduction: str = "mean",
+    num_items: int | jax.Array | None = None,
+    temperature_squared: bool = False,
+    implementation: str | None = None,
+) -> jax.Array:
+    r"""`alpha * cross_entropy + (1 - alpha) * kd_loss`, reading the student logits once.
+
+    Per token with label :math:`y`, logits :math:`x`, :math:`c = T^2` when
+    `temperature_squared` else 1:
+
+    .. math::
+        \ell = \alpha \, (\mathrm{logsumexp}(x) - x_y) + (1 - \alpha)\, c\, \mathrm{KL}_T
+
+    where :math:`\mathrm{KL}_T` is `kd_loss`'s per-token value at temperature T (the
+    cross-entropy is always at temperature 1). One Triton program walks a row once, keeping two
+    online softmaxes (of x and of x / T; one when T = 1), and under differentiation writes
+    the combined gradient :math:`\alpha\,\partial\mathrm{CE} + (1-\alpha)\,c\,\partial
+    \mathrm{KL}_T` in the same program, so forward + backward read the logits once and write
+    the gradient once.
+
+    The :math:`T^2` factor (Hinton et al., 2015) keeps the KD gradient's scale independent of
+    T; it is off by default and applied only when `temperature_squared=True`.
+
+    A token whose label is `ignore_index` is skipped by both terms (its teacher entries count
+    as masked). A label outside `[0, V)` that is not `ignore_index` gives that token NaN loss
+    and a NaN gradient row, as in `cross_entropy`; teacher entries follow `kd_loss`'s rules
+    (masked and out-of-range ids add nothing; repeated ids count once per entry).
+
+    Reductions: "none" returns the float32 per-token :math:`\ell`; "sum" adds them; "mean"
+    divides the cross-entropy sum by the number of non-ignored tokens and the KD sum by the
+    number of tokens with at least one counting teacher entry (each 0 when its count is 0),
+    or both by `num_items` when given.
+
+    Args:
+      student_logits: `[..., V]` float32, bfloat16 or float16.
+      labels: `[...]` integer class ids in `[0, V)`, or `ignore_index`.
+      teacher_ids: `[..., K]` integer token ids, `1 <= K <= V`.
+      teacher_logprobs: `[..., K]` float teacher log-probabilities at those ids.
+      mask: `[..., K]` bool or 0/1: which teacher entries count; None = all.
+      alpha: weight of the cross-entropy, in [0, 1].
+      temperature: T > 0 (a Python float) of the KD term.
+      ignore_index: label value whose tokens are skipped.
+      normalize: "full" or "topk" (see `kd_loss`).
+      reduction: "mean", "sum" or "none".
+      num_items: denominator of both "mean" terms (an int >= 1 or a scalar array).
+      temperature_squared: multiply the KD term by T**2.
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      The float32 loss (scalar, or `[...]` for "none"); its gradient w.r.t. `student_logits`
+      has the logits' dtype, and the other inputs get zero cotangents.
+
+    Raises:
+      TypeError / ValueError at trace time for bad shapes, dtypes or options (as `kd_loss`,
+      plus labels and alpha).
+
+    Example:
+      >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
+      >>> labels = jax.random.randint(jax.random.key(1), (4, 8), 0, 1000)
+      >>> teacher = jax.nn.log_softmax(jax.random.normal(jax.random.key(2), (4, 8, 1000)))
+      >>> logprobs, ids = jax.lax.top_k(teacher, 16)
+      >>> loss = distill_loss(student, labels, ids, logprobs, alpha=0.5, temperature=2.0)
+
+    References:
+      Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015.
+    """
+    check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
+    _common.check_int_array(labels, "labels", student_logits.shape[:-1],
+                            "student_logits.shape[:-1]")
+    t = check_options(temperature, normalize, reduction, num_items, implementation)
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    lead = labels.shape
+    y = labels.reshape(-1).astype(jnp.int32)
+    active = y != ignore_index
+    x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
+                                            active)
+    n = x.shape[0]
+    if n == 0:
+        return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+    ce_w = jnp.float32(alpha)
+    kd_w = jnp.float32((1.0 - float(alpha)) * (t * t if temperature_squared else 1.0))
+    if reduction == "mean":
+        ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
+        kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
+    row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
+    opts = KDOptions(t, normalize, reduction, True, int(ignore_index), "")
+    loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
+    return loss.reshape(lead) if reduction == "none" else loss

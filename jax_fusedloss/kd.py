@@ -1,0 +1,306 @@
+"""Top-K knowledge distillation: kd_loss, the shared custom_vjp and the Triton launches.
+
+distill_loss (jax_fusedloss/distill.py) runs the same machinery with a label cross-entropy
+folded into the same pass over the student logits.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss._xla import kd as _xla_kd
+from jax_fusedloss.cross_entropy import scale_rows
+
+NORMALIZATIONS = ("full", "topk")
+_BWD_FLAGS = ("BLOCK_K", "K_CHUNK_", "FULL", "DISTILL", "KD_STATS")
+
+
+class KDOptions(NamedTuple):
+    temperature: float
+    normalize: str
+    reduction: str
+    distill: bool  # a label cross-entropy term is part of the row loss (distill_loss)
+    ignore_index: int
+    implementation: str
+
+
+# ----------------------------------------------------------------------------- Triton launches
+def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
+    """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient."""
+    from jax_fusedloss.kernels import kd as k
+    from jax_fusedloss.kernels.launch import row_config
+
+    f32 = jnp.float32
+    inv_temp = 1.0 / opts.temperature
+
+    def body(x, ids, lp, y, row_scale):
+        n, vocab = x.shape
+        n_k = ids.shape[1]
+        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
+        flags = k.kd_constexprs(opts.normalize, opts.distill, opts.temperature, n_k)
+        scalars = [vocab, n_k, vocab, inv_temp, opts.ignore_index]
+        fused = cfg.num_splits == 1
+        part, splits = row_scale, 1  # part is not read unless it holds split partials
+        if not fused and k.needs_vocab_pass(flags):
+            splits = cfg.num_splits
+            (part,) = _triton_jax.launch(
+                k.kd_partial_kernel, grid=(n, splits), inputs=[x], scalars=[vocab, vocab, inv_temp],
+                out_shapes=[jax.ShapeDtypeStruct((n, splits, 4), f32)], num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                                CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"]))
+        write_here = write_grad and fused
+        loss, stats, grad = _triton_jax.launch(
+            k.kd_fwd_kernel, grid=(n,), inputs=[x, ids, lp, y, row_scale, part], scalars=scalars,
+            out_shapes=[jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, 5), f32),
+                        jax.ShapeDtypeStruct((n, vocab) if write_here else (1,), x.dtype)],
+            num_warps=cfg.num_warps if fused else 4,
+            constexprs=dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
+                            BLOCK_S=max(2, 1 << (splits - 1).bit_length()), FROM_PARTS=splits > 1,
+                            WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
+        if not write_grad:
+            return loss, stats
+        if not fused:
+            (grad,) = _triton_jax.launch(
+                k.kd_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, ids, lp, y, stats],
+                scalars=scalars, out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+                num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                                **{f: flags[f] for f in _BWD_FLAGS}))
+        return loss, stats, grad
+
+    return _triton_jax.rowwise(body)(x, ids, lp, y, row_scale)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+class _Backend(NamedTuple):
+    rows_fwd: Callable  # (x, ids, lp, y, row_scale, opts) -> (loss [N], stats [N, 5])
+    rows_bwd: Callable | None  # (x, ids, lp, y, stats, opts) -> grad
+    rows_fwd_grad: Callable | None  # like rows_fwd, plus the unit-cotangent gradient
+
+
+_BACKENDS = {
+    "triton": _Backend(functools.partial(_triton_rows_fwd, write_grad=False), None,
+                       functools.partial(_triton_rows_fwd, write_grad=True)),
+    "xla": _Backend(_xla_kd.rows_fwd, _xla_kd.rows_bwd, None),
+}
+
+
+def _reduce(loss_rows, opts: KDOptions):
+    return loss_rows if opts.reduction == "none" else jnp.sum(loss_rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
+    loss, _ = _BACKENDS[opts.implementation].rows_fwd(x, ids, lp, y, row_scale, opts)
+    return _reduce(loss, opts)
+
+
+def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
+    backend = _BACKENDS[opts.implementation]
+    if backend.rows_fwd_grad is not None:
+        # One read of the logits for loss and gradient; the backward only rescales rows whose
+        # cotangent is not exactly 1.
+        loss, _, grad = backend.rows_fwd_grad(x, ids, lp, y, row_scale, opts)
+        return _reduce(loss, opts), (grad, None, None, None, None, None)
+    loss, stats = backend.rows_fwd(x, ids, lp, y, row_scale, opts)
+    return _reduce(loss, opts), (None, x, ids, lp, y, stats)
+
+
+def _kd_bwd(opts: KDOptions, res, g):
+    grad, x, ids, lp, y, stats = res
+    n = (grad if grad is not None else x).shape[0]
+    g = g.astype(jnp.float32)
+    cot = g if opts.reduction == "none" else jnp.broadcast_to(g, (n,))
+    if grad is not None:
+        grad = scale_rows(grad, cot)
+    else:
+        stats = stats.at[:, 3:5].multiply(cot[:, None])
+        grad = _BACKENDS[opts.implementation].rows_bwd(x, ids, lp, y, stats, opts)
+    return grad, None, None, None, None
+
+
+_kd.defvjp(_kd_fwd, _kd_bwd)
+
+
+def _impl(name: str):
+    def run(x, ids, lp, y, row_scale, opts: KDOptions):
+        if name == "triton":
+            _triton_jax.check_triton_available()
+        return _kd(x, ids, lp, y, row_scale, opts._replace(implementation=name))
+
+    return run
+
+
+def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
+    """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row."""
+    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
+    return _common.dispatch(impls, implementation, x, ids, lp, y, row_scale, opts)
+
+
+# ----------------------------------------------------------------------------- validation
+def check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
+    """Trace-time checks shared by kd_loss and distill_loss."""
+    _common.check_logits(student_logits, "student_logits")
+    for name, a in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs),
+                    ("mask", mask)):
+        if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(f"{name} must be an array, got {type(a).__name__}")
+    if not jnp.issubdtype(teacher_ids.dtype, jnp.integer):
+        raise TypeError(f"teacher_ids.dtype={teacher_ids.dtype} must be an integer type")
+    lead, vocab = student_logits.shape[:-1], student_logits.shape[-1]
+    if teacher_ids.ndim != student_logits.ndim or teacher_ids.shape[:-1] != lead:
+        raise ValueError(f"teacher_ids.shape={teacher_ids.shape} must be [..., K] with [...] "
+                         f"equal to student_logits.shape[:-1]={lead}")
+    k = teacher_ids.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"teacher_ids.shape[-1]={k} (K) must lie in [1, V] with "
+                         f"V=student_logits.shape[-1]={vocab}")
+    if not jnp.issubdtype(teacher_logprobs.dtype, jnp.floating):
+        raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
+    if teacher_logprobs.shape != teacher_ids.shape:
+        raise ValueError(f"teacher_logprobs.shape={teacher_logprobs.shape} must equal "
+                         f"teacher_ids.shape={teacher_ids.shape}")
+    if mask is not None and mask.shape != teacher_ids.shape:
+        raise ValueError(f"mask.shape={mask.shape} must equal teacher_ids.shape="
+                         f"{teacher_ids.shape}")
+
+
+def check_options(temperature, normalize, reduction, num_items, implementation) -> float:
+    """Checks the options shared by kd_loss and distill_loss; returns the temperature."""
+    try:
+        t = float(temperature)
+    except (TypeError, jax.errors.ConcretizationTypeError) as e:
+        raise TypeError(f"temperature={temperature!r} must be a Python float") from e
+    if not 0.0 < t < float("inf"):
+        raise ValueError(f"temperature={temperature} must be a finite number > 0")
+    _common.check_choice(normalize, "normalize", NORMALIZATIONS)
+    _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
+    _common.check_implementation(implementation)
+    if num_items is None:
+        return t
+    if reduction != "mean":
+        raise ValueError(f"num_items applies to reduction='mean' only, got "
+                         f"reduction={reduction!r}")
+    if isinstance(num_items, bool) or not (isinstance(num_items, int) or hasattr(num_items,
+                                                                                 "shape")):
+        raise TypeError(f"num_items must be an int or a scalar array, got "
+                        f"{type(num_items).__name__}")
+    if isinstance(num_items, int) and num_items < 1:
+        raise ValueError(f"num_items={num_items} must be >= 1")
+    if hasattr(num_items, "shape") and jnp.shape(num_items) != ():
+        raise ValueError(f"num_items.shape={jnp.shape(num_items)} must be () (a scalar)")
+    return t
+
+
+def prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
+    """Rows [N, V], int32 ids [N, K] with -1 at every entry that does not count (masked, out
+    of [0, V), or in an inactive row), float32 log-probs [N, K] and whether each row has a
+    counting entry [N]."""
+    vocab, k = student_logits.shape[-1], teacher_ids.shape[-1]
+    ids = teacher_ids.reshape(-1, k)
+    valid = (ids >= 0) & (ids < vocab)
+    if mask is not None:
+        valid = valid & (mask.reshape(-1, k) != 0)
+    if active is not None:
+        valid = valid & active[:, None]
+    ids32 = jnp.where(valid, jnp.where(valid, ids, 0).astype(jnp.int32), -1)
+    lp = teacher_logprobs.reshape(-1, k).astype(jnp.float32)
+    return _common.flatten_rows(student_logits), ids32, lp, valid.any(axis=1)
+
+
+def mean_denominator(count: jax.Array, num_items) -> jax.Array:
+    """num_items as float32 when given, else max(count, 1) (so nothing counted gives 0)."""
+    if num_items is not None:
+        return jnp.asarray(num_items).astype(jnp.float32)
+    return jnp.maximum(count, 1).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- public API
+def kd_loss(
+    student_logits: jax.Array,
+    teacher_ids: jax.Array,
+    teacher_logprobs: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    temperature: float = 1.0,
+    normalize: str = "full",
+    reduction: str = "mean",
+    num_items: int | jax.Array | None = None,
+    implementation: str | None = None,
+) -> jax.Array:
+    r"""Forward KL(teacher || student) over the teacher's top-K tokens, fused over the vocabulary.
+
+    Per token, with :math:`s = x / T` the student logits at temperature `temperature`, the
+    teacher entries :math:`(i_k, \ell_k)` (ids and log-probabilities), :math:`p_k = e^{\ell_k}`
+    and :math:`\mathcal{K}` the entries that count (mask set, id in `[0, V)`):
+
+    .. math::
+        \mathrm{KL} = \sum_{k \in \mathcal{K},\, p_k > 0} p_k (\ell_k - s_{i_k} + L), \qquad
+        L = \log\sum_{j=1}^{V} e^{s_j} \;(\text{"full"}) \text{ or }
+            \log\sum_{k \in \mathcal{K}} e^{s_{i_k}} \;(\text{"topk"})
+
+    "full" compares with the student's full softmax; "topk" renormalises the student over the
+    teacher's ids. The teacher's probabilities are used as given (not renormalised). The
+    gradient w.r.t. `student_logits` is :math:`(P\,\mathrm{softmax}(s)_j -
+    \sum_{i_k = j} p_k) / T` with :math:`P = \sum_{k \in \mathcal{K}} p_k` ("full", dense
+    over V), or nonzero only at the teacher's ids ("topk"). Teacher inputs, the mask and
+    `num_items` get zero cotangents. No temperature**2 factor is applied.
+
+    Under differentiation the Triton forward writes the gradient for a unit cotangent in the
+    same pass: forward + backward read the logits once and write their gradient once.
+
+    Repeated ids: every entry is its own term (the sums above run over entries, not distinct
+    ids), so an id listed twice counts twice in KL and, for "topk", twice in L; its gradient
+    column sums the entries' contributions. This is what autograd of the naive gather formula
+    gives. Ids outside `[0, V)` count as masked: they add nothing and are never read.
+
+    Args:
+      student_logits: `[..., V]` float32, bfloat16 or float16.
+      teacher_ids: `[..., K]` integer token ids, `1 <= K <= V`.
+      teacher_logprobs: `[..., K]` float teacher log-probabilities at those ids (any float
+        dtype, used in float32). Entries with probability 0 (log-prob -inf) add nothing.
+      mask: `[..., K]` bool or 0/1: which entries count; None = all.
+      temperature: T > 0, a Python float, dividing the student logits.
+      normalize: "full" or "topk".
+      reduction: "mean" (the sum over tokens divided by the number of tokens with at least
+        one counting entry, 0 when there is none, or by `num_items`), "sum" or "none" (float32
+        `[...]`).
+      num_items: the denominator of "mean" (an int >= 1 or a scalar array), e.g. the token
+        count of a whole accumulated batch when this call sees one micro-batch.
+      implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+
+    Returns:
+      The float32 loss (scalar, or `[...]` for "none"); its gradient w.r.t. `student_logits`
+      has the logits' dtype.
+
+    Raises:
+      TypeError / ValueError at trace time for non-float logits, non-integer ids, K > V,
+      shapes that do not match, temperature <= 0, or an unknown option.
+
+    Example:
+      >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
+      >>> teacher = jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (4, 8, 1000)))
+      >>> logprobs, ids = jax.lax.top_k(teacher, 16)
+      >>> loss, grad = jax.value_and_grad(kd_loss)(student, ids, logprobs)
+
+    References:
+      Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015.
+    """
+    check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
+    t = check_options(temperature, normalize, reduction, num_items, implementation)
+    lead = student_logits.shape[:-1]
+    x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask)
+    n = x.shape[0]
+    if n == 0:
+        return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+    scale = jnp.float32(1.0)
+    if reduction == "mean":
+        scale = 1.0 / mean_denominator(jnp.sum(has_entry), num_items)
+    row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
+    opts = KDOptions(t, normalize, reduction, False, -1, "")
+    loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
+    return loss.reshape(lead) if reduction == "none" else loss

@@ -1,0 +1,308 @@
+"""Top-K distillation kernels (kd_loss, distill_loss): forward, split statistics, backward.
+
+One row holds the student logits x[V], the teacher's K entries (id_k, lp_k) and, for
+distill_loss, a label y. With s = x * inv_temp, p_k = exp(lp_k), an entry valid when
+0 <= id_k < V (the launchers map masked entries to id -1) and P = sum of valid p_k:
+    L  = logsumexp(s) (FULL)  or  logsumexp of s[id_k] over valid k ("topk", FULL=False)
+    kd = sum over valid k with p_k > 0 of p_k * (lp_k - (s[id_k] - L))
+    ce = logsumexp(x) - x[y]     (DISTILL only; y follows cross_entropy's label rules)
+    loss = ce_a * ce + kd_a * kd, where (ce_a, kd_a) are the row's weights (row_scale)
+Every entry is its own term, so an id repeated in a row counts once per entry. The gradient
+for a unit cotangent w.r.t. x_j is
+    ce_a * (softmax(x)_j - [j == y]) + kd_a * inv_temp * (P * softmax(s)_j - sum_{id_k = j} p_k)
+with "topk" replacing softmax(s)_j by sum_{id_k = j} exp(s_j - L) (zero away from the ids).
+A row walks its vocabulary once for the statistics; the gradient pass writes the dense part
+tile by tile (backwards, for L2 reuse), then, after a barrier, stores the K id columns with
+their complete values computed from scratch in float32 (duplicates get identical values).
+
+Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
+launch them identically. Imports triton only.
+"""
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, safe_max, stats_to_lse,
+                                           tile_update)
+from jax_fusedloss.kernels.cross_entropy import _label_state
+
+K_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
+
+
+@triton.jit
+def _row_state(labels_ptr, row, V, ignore_index, DISTILL: tl.constexpr):
+    """(label, active, bad): active is False for a distill row whose label is ignored."""
+    if DISTILL:
+        label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+        active = ~ignored
+    else:
+        label = tl.full([], -1, tl.int32)
+        active = tl.full([], 1, tl.int1)
+        bad = tl.full([], 0, tl.int1)
+    return label, active, bad
+
+
+@triton.jit
+def _entries(ids_ptr, lp_ptr, row, V, K, active, kk):
+    """Teacher entries kk of a row: (ids, valid, lp, p); invalid lanes are never loaded."""
+    ids = tl.load(ids_ptr + row * K + kk, mask=kk < K, other=-1)
+    # An inactive row has an empty id range. (`vector & scalar_bool` would be shorter, but
+    # Triton 3.9's interpreter then rejects the result as a load mask.)
+    valid = (ids >= 0) & (ids < tl.where(active, V, 0))
+    lp = tl.load(lp_ptr + row * K + kk, mask=valid, other=0.0).to(tl.float32)
+    return ids, valid, lp, tl.where(valid, tl.exp(lp), 0.0)
+
+
+@triton.jit
+def _gather(x_row, ids, valid):
+    """x[ids] in float32 (0 at invalid lanes, which are not read)."""
+    return tl.load(x_row + tl.where(valid, ids, 0), mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _slice_stats(row_ptr, start, stop, inv_temp, BLOCK_V: tl.constexpr,
+                 CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
+    """(max, sum) pairs of x (CE_STATS) and of s = x * inv_temp (KD_STATS) over [start, stop)."""
+    mx = tl.full([], float("-inf"), tl.float32)
+    lx = tl.zeros([], tl.float32)
+    ms = tl.full([], float("-inf"), tl.float32)
+    ls = tl.zeros([], tl.float32)
+    for off in range(start, stop, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        z, _ = load_tile_hint(row_ptr, cols, cols < stop, 1.0, 1.0, False, EVICTION)
+        if CE_STATS:
+            mx, lx = tile_update(mx, lx, z)
+        if KD_STATS:
+            ms, ls = tile_update(ms, ls, z * inv_temp)
+    return mx, lx, ms, ls
+
+
+@triton.jit
+def _merge_lse(m_i, s_i):
+    m = tl.max(m_i, axis=0)
+    return stats_to_lse(m, tl.sum(s_i * tl.exp(m_i - safe_max(m)), axis=0))
+
+
+@triton.jit
+def _coefs(P, ce_a, kd_a, inv_temp, FULL: tl.constexpr, KD_STATS: tl.constexpr):
+    """Dense-part coefficients on softmax(x) and softmax(s); with FULL and no KD_STATS the
+    temperature is 1 and both softmaxes are one."""
+    coef_x = ce_a
+    coef_s = kd_a * inv_temp * P
+    if FULL:
+        if not KD_STATS:
+            coef_x = ce_a + coef_s
+    return coef_x, coef_s
+
+
+@triton.jit
+def _dense_grad(row_ptr, grad_row_ptr, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp,
+                start, stop, BLOCK_V: tl.constexpr, CE_STATS: tl.constexpr,
+                KD_STATS: tl.constexpr):
+    """Writes coef_x * softmax(x) - ce_a * onehot(y) + coef_s * softmax(s) over [start, stop),
+    walking backwards (the tiles read last are the likeliest to be in L2) and streaming
+    (evict_first). Zeros without a load when neither term is present ("topk" kd_loss)."""
+    lse_x = safe_max(lse_x)
+    L = safe_max(L)
+    n_tiles = tl.cdiv(stop - start, BLOCK_V)
+    for i in range(0, n_tiles):
+        cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        mask = cols < stop
+        g = tl.zeros([BLOCK_V], tl.float32)
+        if CE_STATS or KD_STATS:
+            z, _ = load_tile_hint(row_ptr, cols, mask, 1.0, 1.0, False, "evict_first")
+            if CE_STATS:
+                g += coef_x * tl.exp(z - lse_x) - tl.where(cols == label, ce_a, 0.0)
+            if KD_STATS:
+                g += coef_s * tl.exp(z * inv_temp - L)
+            g = tl.where(bad, float("nan"), g)
+        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy="evict_first")
+
+
+@triton.jit
+def _sparse_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, bad, lse_x, L,
+                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K: tl.constexpr,
+                 K_CHUNK_: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr):
+    """Stores the complete gradient at the valid ids in [start, stop) (after the dense part).
+
+    Entries sharing an id sum their p (and, for "topk", their q) through a [BLOCK_K, K_CHUNK]
+    comparison per step, so all of them store the same value: no race, no atomics.
+    """
+    ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
+    xk = _gather(x_row, ids, valid)
+    sum_p = tl.zeros([BLOCK_K], tl.float32)
+    count = tl.zeros([BLOCK_K], tl.float32)
+    for j in range(0, K, K_CHUNK_):
+        idj, vj, _lpj, pj = _entries(ids_ptr, lp_ptr, row, V, K, active,
+                                     j + tl.arange(0, K_CHUNK_))
+        same = (ids[:, None] == idj[None, :]) & vj[None, :]
+        sum_p += tl.sum(tl.where(same, pj[None, :], 0.0), axis=1)
+        count += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
+    q = tl.exp(xk * inv_temp - safe_max(L))
+    if FULL:
+        g = kd_a * inv_temp * (P * q - sum_p)
+    else:
+        g = kd_a * inv_temp * (P * count * q - sum_p)
+    if DISTILL:
+        g += ce_a * tl.exp(xk - safe_max(lse_x)) - tl.where(ids == label, ce_a, 0.0)
+    g = tl.where(bad, float("nan"), g)
+    own = valid & (ids >= start) & (ids < stop)
+    tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
+
+
+@triton.jit
+def kd_fwd_kernel(
+    # pointers: logits [N, V], ids / logprobs [N, K], labels [N], row_scale [N, 2] = (ce, kd),
+    # part [N, NUM_SPLITS, 4] (read only with FROM_PARTS)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, part_ptr,
+    # sizes, strides, options
+    V, K, stride_row, inv_temp, ignore_index,
+    # outputs: loss [N], stats [N, 5] = (lse(x), L, P, ce_a, kd_a), grad [N, V] (WRITE_GRAD)
+    loss_ptr, stats_ptr, grad_ptr,
+    # constexprs
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK_: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
+    KD_STATS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
+    path; with WRITE_GRAD also the unit-cotangent gradient) or from split partials.
+
+    With WRITE_GRAD the statistics pass asks the caches to keep its lines (evict_last) so the
+    gradient pass re-reads the row from L2 more often.
+    """
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * stride_row
+    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    lse_x = tl.full([], float("-inf"), tl.float32)
+    L = tl.full([], float("-inf"), tl.float32)
+    if FROM_PARTS:
+        idx = tl.arange(0, BLOCK_S)
+        ok = idx < NUM_SPLITS
+        base = part_ptr + (row * NUM_SPLITS + idx) * 4
+        lse_x = _merge_lse(tl.load(base, mask=ok, other=float("-inf")),
+                           tl.load(base + 1, mask=ok, other=0.0))
+        L = _merge_lse(tl.load(base + 2, mask=ok, other=float("-inf")),
+                       tl.load(base + 3, mask=ok, other=0.0))
+    elif DISTILL or KD_STATS:
+        mx, lx, ms, ls = _slice_stats(x_row, 0, V, inv_temp, BLOCK_V, DISTILL, KD_STATS,
+                                      "evict_last" if WRITE_GRAD else "")
+        lse_x = stats_to_lse(mx, lx)
+        L = stats_to_lse(ms, ls)
+    ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
+    sk = _gather(x_row, ids, valid) * inv_temp
+    if FULL:
+        if not KD_STATS:
+            L = lse_x
+    else:
+        zk = tl.where(valid, sk, float("-inf"))
+        mk = tl.max(zk, axis=0)
+        L = stats_to_lse(mk, tl.sum(tl.exp(zk - safe_max(mk)), axis=0))
+    kd = tl.sum(tl.where(p > 0.0, p * (lp - (sk - L)), 0.0), axis=0)
+    P = tl.sum(p, axis=0)
+    ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
+    kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
+    loss = kd_a * kd
+    if DISTILL:
+        in_range = (label >= 0) & (label < V)
+        xy = tl.load(x_row + tl.where(in_range, label, 0), mask=in_range, other=0.0)
+        loss += tl.where(active, ce_a * (lse_x - xy.to(tl.float32)), 0.0)
+    tl.store(loss_ptr + row, tl.where(bad, float("nan"), loss))
+    out = stats_ptr + row * 5
+    tl.store(out, lse_x)
+    tl.store(out + 1, L)
+    tl.store(out + 2, P)
+    tl.store(out + 3, ce_a)
+    tl.store(out + 4, kd_a)
+    if WRITE_GRAD:
+        grad_row = grad_ptr + row * V
+        coef_x, coef_s = _coefs(P, ce_a, kd_a, inv_temp, FULL, KD_STATS)
+        _dense_grad(x_row, grad_row, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp, 0, V,
+                    BLOCK_V, DISTILL, KD_STATS)
+        tl.debug_barrier()
+        _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad,
+                     lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, BLOCK_K, K_CHUNK_, FULL, DISTILL)
+
+
+@triton.jit
+def kd_partial_kernel(
+    # pointers
+    logits_ptr,
+    # sizes, strides, options
+    V, stride_row, inv_temp,
+    # outputs: float32 [N, NUM_SPLITS, 4] = (max x, sum, max s, sum)
+    part_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, CE_STATS: tl.constexpr,
+    KD_STATS: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Split path, grid (N, NUM_SPLITS): partial online-softmax statistics of one slice."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    start = split * SPLIT_V
+    mx, lx, ms, ls = _slice_stats(logits_ptr + row * stride_row, start,
+                                  tl.minimum(start + SPLIT_V, V), inv_temp, BLOCK_V, CE_STATS,
+                                  KD_STATS, "")
+    out = part_ptr + (row * tl.num_programs(1) + split) * 4
+    tl.store(out, mx)
+    tl.store(out + 1, lx)
+    tl.store(out + 2, ms)
+    tl.store(out + 3, ls)
+
+
+@triton.jit
+def kd_bwd_kernel(
+    # pointers
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr,
+    # sizes, strides, options
+    V, K, stride_row, inv_temp, ignore_index,
+    # outputs
+    grad_ptr,
+    # constexprs
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_CHUNK_: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics; only the
+    program whose slice holds an id stores that id's column."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    start = tl.program_id(1) * SPLIT_V
+    stop = tl.minimum(start + SPLIT_V, V)
+    x_row = logits_ptr + row * stride_row
+    grad_row = grad_ptr + row * V
+    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    st = stats_ptr + row * 5
+    lse_x = tl.load(st)
+    L = tl.load(st + 1)
+    P = tl.load(st + 2)
+    ce_a = tl.load(st + 3)
+    kd_a = tl.load(st + 4)
+    coef_x, coef_s = _coefs(P, ce_a, kd_a, inv_temp, FULL, KD_STATS)
+    _dense_grad(x_row, grad_row, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp, start,
+                stop, BLOCK_V, DISTILL, KD_STATS)
+    tl.debug_barrier()
+    _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad, lse_x, L,
+                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K, K_CHUNK_, FULL, DISTILL)
+
+
+def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int) -> dict:
+    """The compile-time switches shared by the three kernels, a pure function of the options.
+
+    KD_STATS: the KD term needs its own online softmax of s = x / T over the vocabulary; a
+    distill_loss at T = 1 shares the cross-entropy's instead (one exp per element, not two).
+    BLOCK_K: the teacher entries of a row held in registers at once (a power of two >= 16).
+    """
+    full = normalize == "full"
+    return dict(BLOCK_K=max(16, triton.next_power_of_2(k)), K_CHUNK_=K_CHUNK, FULL=full,
+                DISTILL=bool(distill), KD_STATS=full and not (distill and temperature == 1.0))
+
+
+def needs_vocab_pass(flags: dict) -> bool:
+    """Whether the forward walks the vocabulary at all ("topk" kd_loss only gathers K values)."""
+    return flags["DISTILL"] or flags["KD_STATS"]

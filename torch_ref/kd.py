@@ -1,0 +1,208 @@
+"""Top-K distillation from PyTorch over the same Triton kernels, plus plain-PyTorch formulas."""
+from __future__ import annotations
+
+import torch
+
+from jax_fusedloss.kernels import kd as k
+from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
+from jax_fusedloss.kernels.launch import row_config, vocab_align
+from torch_ref import _launch
+from torch_ref._launch import launch
+from torch_ref.cross_entropy import cross_entropy_reference
+
+
+def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
+    """Per-row loss [N] (and the unit-cotangent gradient) from the kernels of kernels/kd.py."""
+    n, vocab = x.shape
+    n_k = ids.shape[1]
+    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad)
+    flags = k.kd_constexprs(normalize, distill, temperature, n_k)
+    inv_temp = 1.0 / temperature
+    scalars = [vocab, n_k, x.stride(0), inv_temp, ignore_index]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    loss, stats = torch.empty(n, **f32), torch.empty(n, 5, **f32)
+    fused = cfg.num_splits == 1
+    part, splits = row_scale, 1  # part is not read unless it holds split partials
+    if not fused and k.needs_vocab_pass(flags):
+        splits = cfg.num_splits
+        part = torch.empty(n, splits, 4, **f32)
+        launch(k.kd_partial_kernel, (n, splits), [x], [vocab, x.stride(0), inv_temp], [part],
+               cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                                   CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"]))
+    write_here = write_grad and fused
+    grad = torch.empty_like(x) if write_grad else None
+    launch(k.kd_fwd_kernel, (n,), [x, ids, lp, y, row_scale, part], scalars,
+           [loss, stats, grad if write_here else torch.empty(1, dtype=x.dtype, device=x.device)],
+           cfg.num_warps if fused else 4,
+           dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
+                BLOCK_S=max(2, 1 << (splits - 1).bit_length()), FROM_PARTS=splits > 1,
+                WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
+    if write_grad and not fused:
+        launch(k.kd_bwd_kernel, (n, cfg.num_splits), [x, ids, lp, y, stats], scalars, [grad],
+               cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                                   **{f: flags[f] for f in ("BLOCK_K", "K_CHUNK_", "FULL",
+                                                            "DISTILL", "KD_STATS")}))
+    return loss, grad
+
+
+class _KD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index,
+                reduction):
+        x = logits.reshape(-1, logits.shape[-1]).contiguous()
+        loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
+                           ignore_index, logits.requires_grad)
+        ctx.reduction, ctx.shape = reduction, logits.shape
+        ctx.save_for_backward(grad)
+        return loss if reduction == "none" else loss.sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        n = grad.shape[0]
+        cot = (g.reshape(-1) if ctx.reduction == "none" else g.expand(n)).float().contiguous()
+        # The forward wrote the gradient for a unit cotangent: rescale rows whose cotangent is
+        # not 1, in place.
+        vocab = grad.shape[1]
+        block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
+        launch(scale_rows_kernel, (n,), [grad, cot], [vocab], [grad], 8,
+               dict(BLOCK_V=block, ALIGN=vocab_align(vocab)))
+        return grad.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
+
+
+def _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
+    vocab, n_k = student_logits.shape[-1], teacher_ids.shape[-1]
+    if not 1 <= n_k <= vocab:
+        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must lie in [1, V={vocab}]")
+    ids = teacher_ids.reshape(-1, n_k)
+    valid = (ids >= 0) & (ids < vocab)
+    if mask is not None:
+        valid = valid & (mask.reshape(-1, n_k) != 0)
+    if active is not None:
+        valid = valid & active[:, None]
+    ids32 = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32).contiguous()
+    lp = teacher_logprobs.reshape(-1, n_k).float().contiguous()
+    return ids32, lp, valid.any(dim=1)
+
+
+def _check(temperature, normalize, reduction):
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if normalize not in ("full", "topk"):
+        raise ValueError(f"normalize={normalize!r} must be one of ('full', 'topk')")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be one of ('mean', 'sum', 'none')")
+
+
+def _denominator(count, num_items):
+    if num_items is not None:
+        return torch.as_tensor(num_items, device=count.device).float()
+    return count.clamp(min=1).float()
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
+            teacher_logprobs: torch.Tensor, mask: torch.Tensor | None = None, *,
+            temperature: float = 1.0, normalize: str = "full", reduction: str = "mean",
+            num_items=None) -> torch.Tensor:
+    """`jax_fusedloss.kd_loss` from PyTorch, on the same Triton kernels (see its docs)."""
+    _check(temperature, normalize, reduction)
+    ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask)
+    n = ids.shape[0]
+    scale = (1.0 / _denominator(has_entry.sum(), num_items) if reduction == "mean"
+             else torch.ones((), device=ids.device))
+    row_scale = torch.stack([torch.zeros(n, device=ids.device), scale.expand(n)], 1).contiguous()
+    y = torch.zeros(n, dtype=torch.int32, device=ids.device)
+    loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize,
+                     False, -1, reduction)
+    return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
+
+
+def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids: torch.Tensor,
+                 teacher_logprobs: torch.Tensor, mask: torch.Tensor | None = None, *,
+                 alpha: float, temperature: float = 1.0, ignore_index: int = -100,
+                 normalize: str = "full", reduction: str = "mean", num_items=None,
+                 temperature_squared: bool = False) -> torch.Tensor:
+    """`jax_fusedloss.distill_loss` from PyTorch, on the same Triton kernels (see its docs)."""
+    _check(temperature, normalize, reduction)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    y = labels.reshape(-1).to(torch.int32).contiguous()
+    active = y != ignore_index
+    ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active)
+    n = ids.shape[0]
+    ce_w = torch.full((), float(alpha), device=ids.device)
+    kd_w = torch.full((), (1.0 - alpha) * (temperature**2 if temperature_squared else 1.0),
+                      device=ids.device)
+    if reduction == "mean":
+        ce_w = ce_w / _denominator(active.sum(), num_items)
+        kd_w = kd_w / _denominator(has_entry.sum(), num_items)
+    row_scale = torch.stack([ce_w.expand(n), kd_w.expand(n)], 1).contiguous()
+    loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize, True,
+                     int(ignore_index), reduction)
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+# ----------------------------------------------------------------------------- references
+def kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, mask=None, *,
+                        temperature: float = 1.0, normalize: str = "full",
+                        dtype: torch.dtype = torch.float32):
+    """Per-token KL(teacher || student) over the top-K (the naive formula, at `dtype`) and
+    whether each token has a counting entry. Entries are summed as given: a repeated id
+    counts once per entry (and autograd's gather scatter-adds its gradient)."""
+    s = student_logits.to(dtype) / temperature
+    vocab = s.shape[-1]
+    ids = teacher_ids.long()
+    valid = (ids >= 0) & (ids < vocab)
+    if mask is not None:
+        valid = valid & (mask != 0)
+    sk = torch.gather(s, -1, torch.where(valid, ids, torch.zeros_like(ids)))
+    if normalize == "full":
+        L = torch.logsumexp(s, dim=-1, keepdim=True)
+    else:
+        z = torch.where(valid, sk, torch.full_like(sk, float("-inf")))
+        # Tokens without a counting entry take a finite stand-in (their terms are all zero).
+        L = torch.logsumexp(torch.where(valid.any(-1, keepdim=True), z, torch.zeros_like(z)),
+                            dim=-1, keepdim=True)
+    lp = teacher_logprobs.to(dtype)
+    p = torch.where(valid, lp.exp(), torch.zeros_like(lp))
+    term = torch.where(p > 0, p * (lp - (sk - L)), torch.zeros_like(p))
+    return term.sum(-1), valid.any(-1)
+
+
+def _reduce_reference(per_tok, count, reduction, num_items):
+    if reduction == "none":
+        return per_tok
+    if reduction == "sum":
+        return per_tok.sum()
+    return per_tok.sum() / (num_items if num_items is not None else count.sum().clamp(min=1))
+
+
+def kd_loss_reference(student_logits, teacher_ids, teacher_logprobs, mask=None, *,
+                      temperature: float = 1.0, normalize: str = "full",
+                      reduction: str = "mean", num_items=None,
+                      dtype: torch.dtype = torch.float32):
+    """kd_loss by the naive formula in plain PyTorch (float64 as the tests' oracle)."""
+    per_tok, has_entry = kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, mask,
+                                             temperature=temperature, normalize=normalize,
+                                             dtype=dtype)
+    return _reduce_reference(per_tok, has_entry, reduction, num_items)
+
+
+def distill_loss_reference(student_logits, labels, teacher_ids, teacher_logprobs, mask=None, *,
+                           alpha: float, temperature: float = 1.0, ignore_index: int = -100,
+                           normalize: str = "full", reduction: str = "mean", num_items=None,
+                           temperature_squared: bool = False,
+                           dtype: torch.dtype = torch.float32):
+    """distill_loss by the naive formulas in plain PyTorch (float64 as the tests' oracle)."""
+    active = labels != ignore_index
+    kd_mask = active[..., None] if mask is None else (mask != 0) & active[..., None]
+    kd, has_entry = kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, kd_mask,
+                                        temperature=temperature, normalize=normalize,
+                                        dtype=dtype)
+    ce = cross_entropy_reference(student_logits, labels, ignore_index=ignore_index,
+                                 reduction="none", dtype=dtype)
+    kd_w = (1.0 - alpha) * (temperature**2 if temperature_squared else 1.0)
+    if reduction != "mean":
+        return _reduce_reference(alpha * ce + kd_w * kd, None, reduction, None)
+    return (alpha * _reduce_reference(ce, active, "mean", num_items)
+            + kd_w * _reduce_reference(kd, has_entry, "mean", num_items))
