@@ -48,10 +48,10 @@ def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_inde
 class _KD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index,
-                reduction):
+                reduction, write_grad):
         x = logits.reshape(-1, logits.shape[-1]).contiguous()
         loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
-                           ignore_index, logits.requires_grad)
+                           ignore_index, write_grad)
         ctx.reduction, ctx.shape = reduction, logits.shape
         ctx.save_for_backward(grad)
         return loss if reduction == "none" else loss.sum()
@@ -67,7 +67,7 @@ class _KD(torch.autograd.Function):
         block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
         launch(scale_rows_kernel, (n,), [grad, cot], [vocab], [grad], 8,
                dict(BLOCK_V=block, ALIGN=vocab_align(vocab)))
-        return grad.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
+        return (grad.reshape(ctx.shape),) + (None,) * 10
 
 
 def _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
@@ -94,6 +94,11 @@ def _check(temperature, normalize, reduction):
         raise ValueError(f"reduction={reduction!r} must be one of ('mean', 'sum', 'none')")
 
 
+def _needs_grad(logits: torch.Tensor) -> bool:
+    """Whether the forward should write the gradient (skipped under torch.no_grad())."""
+    return logits.requires_grad and torch.is_grad_enabled()
+
+
 def _denominator(count, num_items):
     if num_items is not None:
         return torch.as_tensor(num_items, device=count.device).float()
@@ -113,7 +118,7 @@ def kd_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
     row_scale = torch.stack([torch.zeros(n, device=ids.device), scale.expand(n)], 1).contiguous()
     y = torch.zeros(n, dtype=torch.int32, device=ids.device)
     loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize,
-                     False, -1, reduction)
+                     False, -1, reduction, _needs_grad(student_logits))
     return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
 
 
@@ -138,7 +143,7 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
         kd_w = kd_w / _denominator(has_entry.sum(), num_items)
     row_scale = torch.stack([ce_w.expand(n), kd_w.expand(n)], 1).contiguous()
     loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize, True,
-                     int(ignore_index), reduction)
+                     int(ignore_index), reduction, _needs_grad(student_logits))
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
 
