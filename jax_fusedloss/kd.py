@@ -16,7 +16,6 @@ from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss.cross_entropy import scale_rows
 
 NORMALIZATIONS = ("full", "topk")
-_BWD_FLAGS = ("BLOCK_K", "K_CHUNK_", "FULL", "DISTILL", "KD_STATS")
 
 
 class KDOptions(NamedTuple):
@@ -69,7 +68,7 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                 scalars=scalars, out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
                 num_warps=cfg.num_warps,
                 constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                **{f: flags[f] for f in _BWD_FLAGS}))
+                                **k.bwd_constexprs(flags)))
         return loss, stats, grad
 
     return _triton_jax.rowwise(body)(x, ids, lp, y, row_scale)

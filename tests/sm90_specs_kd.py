@@ -5,7 +5,7 @@ llama3 vocabulary, for every option combination a launch can produce: kd_loss "f
 distill_loss at T = 1 (shared statistics) and T != 1; fused row path with and without the
 gradient, split path (partials, merge, backward); K = 1, 64 and 128.
 """
-from jax_fusedloss.kernels.kd import kd_constexprs, needs_vocab_pass
+from jax_fusedloss.kernels.kd import bwd_constexprs, kd_constexprs, needs_vocab_pass
 from jax_fusedloss.kernels.launch import row_config
 
 M = "jax_fusedloss.kernels.kd"
@@ -47,8 +47,7 @@ for dt, itemsize in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
             stats_ptr="*fp32", V="i32", K="i32", stride_row="i32", inv_temp="fp32",
             ignore_index="i32", grad_ptr=f"*{dt}"),
             dict(SPLIT_V=split.split_v, BLOCK_V=split.block_v, ALIGN=split.align,
-                 **{f: flags[f] for f in ("BLOCK_K", "K_CHUNK_", "FULL", "DISTILL",
-                                          "KD_STATS")}), split.num_warps))
+                 **bwd_constexprs(flags)), split.num_warps))
 for k in (1, 128):
     rows = row_config(8192, V, 2, 132, True)
     SPECS.append((M, "kd_fwd_kernel", _fwd_sig("bf16"), dict(

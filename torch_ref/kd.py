@@ -40,8 +40,7 @@ def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_inde
     if write_grad and not fused:
         launch(k.kd_bwd_kernel, (n, cfg.num_splits), [x, ids, lp, y, stats], scalars, [grad],
                cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                   **{f: flags[f] for f in ("BLOCK_K", "K_CHUNK_", "FULL",
-                                                            "DISTILL", "KD_STATS")}))
+                                   **k.bwd_constexprs(flags)))
     return loss, grad
 
 

@@ -25,7 +25,7 @@ from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, safe_m
                                            tile_update)
 from jax_fusedloss.kernels.cross_entropy import _label_state
 
-K_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
+DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
 
 
 @triton.jit
@@ -122,7 +122,7 @@ def _dense_grad(row_ptr, grad_row_ptr, label, bad, lse_x, L, coef_x, ce_a, coef_
 @triton.jit
 def _sparse_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, bad, lse_x, L,
                  P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K: tl.constexpr,
-                 K_CHUNK_: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr):
+                 K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr):
     """Stores the complete gradient at the valid ids in [start, stop) (after the dense part).
 
     Entries sharing an id sum their p (and, for "topk", their q) through a [BLOCK_K, K_CHUNK]
@@ -132,9 +132,9 @@ def _sparse_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label,
     xk = _gather(x_row, ids, valid)
     sum_p = tl.zeros([BLOCK_K], tl.float32)
     count = tl.zeros([BLOCK_K], tl.float32)
-    for j in range(0, K, K_CHUNK_):
+    for j in range(0, K, K_CHUNK):
         idj, vj, _lpj, pj = _entries(ids_ptr, lp_ptr, row, V, K, active,
-                                     j + tl.arange(0, K_CHUNK_))
+                                     j + tl.arange(0, K_CHUNK))
         same = (ids[:, None] == idj[None, :]) & vj[None, :]
         sum_p += tl.sum(tl.where(same, pj[None, :], 0.0), axis=1)
         count += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
@@ -160,7 +160,7 @@ def kd_fwd_kernel(
     # outputs: loss [N], stats [N, 5] = (lse(x), L, P, ce_a, kd_a), grad [N, V] (WRITE_GRAD)
     loss_ptr, stats_ptr, grad_ptr,
     # constexprs
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK_: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -223,7 +223,7 @@ def kd_fwd_kernel(
                     BLOCK_V, DISTILL, KD_STATS)
         tl.debug_barrier()
         _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad,
-                     lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, BLOCK_K, K_CHUNK_, FULL, DISTILL)
+                     lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL)
 
 
 @triton.jit
@@ -264,7 +264,7 @@ def kd_bwd_kernel(
     grad_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNK_: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+    K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics; only the
@@ -288,7 +288,7 @@ def kd_bwd_kernel(
                 stop, BLOCK_V, DISTILL, KD_STATS)
     tl.debug_barrier()
     _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad, lse_x, L,
-                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K, K_CHUNK_, FULL, DISTILL)
+                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int) -> dict:
@@ -299,8 +299,13 @@ def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int) -> 
     BLOCK_K: the teacher entries of a row held in registers at once (a power of two >= 16).
     """
     full = normalize == "full"
-    return dict(BLOCK_K=max(16, triton.next_power_of_2(k)), K_CHUNK_=K_CHUNK, FULL=full,
+    return dict(BLOCK_K=max(16, triton.next_power_of_2(k)), K_CHUNK=DUP_CHUNK, FULL=full,
                 DISTILL=bool(distill), KD_STATS=full and not (distill and temperature == 1.0))
+
+
+def bwd_constexprs(flags: dict) -> dict:
+    """The switches of kd_constexprs that kd_bwd_kernel takes."""
+    return {f: flags[f] for f in ("BLOCK_K", "K_CHUNK", "FULL", "DISTILL", "KD_STATS")}
 
 
 def needs_vocab_pass(flags: dict) -> bool:
