@@ -80,7 +80,7 @@ def _triton_rows_bwd_body(x, y, lse, coef, opts: CEOptions):
     cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad=True)
     (grad,) = _triton_jax.launch(
         k.ce_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, y, lse, coef],
-        scalars=[vocab, vocab, opts.ignore_index, float(opts.softcap or 1.0)],
+        scalars=[vocab, vocab, float(opts.softcap or 1.0)],
         out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
         constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
                         HAS_SOFTCAP=opts.softcap is not None))

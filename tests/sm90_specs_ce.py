@@ -15,7 +15,7 @@ for dt, block, warps in (("bf16", 16384, 32), ("fp16", 4096, 8), ("fp32", 16384,
                                 HAS_SMOOTHING=True, ALIGN=1), warps))
     SPECS.append((M, "ce_bwd_kernel", dict(
         logits_ptr=f"*{dt}", labels_ptr="*i32", lse_ptr="*fp32", coef_ptr="*fp32", V="i32",
-        stride_row="i32", ignore_index="i32", softcap="fp32", grad_ptr=f"*{dt}"),
+        stride_row="i32", softcap="fp32", grad_ptr=f"*{dt}"),
         dict(SPLIT_V=4 * block, BLOCK_V=block, HAS_SOFTCAP=True, ALIGN=8), warps))
     SPECS.append((M, "scale_rows_kernel", dict(
         grad_in_ptr=f"*{dt}", cot_ptr="*fp32", V="i32", grad_out_ptr=f"*{dt}"),

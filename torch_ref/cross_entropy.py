@@ -34,16 +34,16 @@ def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
            dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
                 HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
     if write_grad:
-        grad = _bwd(x, y, lse, coef, ignore_index, softcap)
+        grad = _bwd(x, y, lse, coef, softcap)
     return loss, lse, coef, grad
 
 
-def _bwd(x, y, lse, coef, ignore_index, softcap):
+def _bwd(x, y, lse, coef, softcap):
     n, vocab = x.shape
     cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad=True)
     grad = torch.empty_like(x)
     launch(k.ce_bwd_kernel, (n, cfg.num_splits), [x, y, lse, coef],
-           [vocab, x.stride(0), ignore_index, float(softcap or 1.0)], [grad], cfg.num_warps,
+           [vocab, x.stride(0), float(softcap or 1.0)], [grad], cfg.num_warps,
            dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
                 HAS_SOFTCAP=softcap is not None))
     return grad
@@ -62,7 +62,7 @@ class _CrossEntropy(torch.autograd.Function):
         write_grad = logits.requires_grad and not need_lse_grad
         loss, lse, coef, grad = _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap,
                                      write_grad)
-        ctx.reduction, ctx.ignore_index, ctx.softcap = reduction, ignore_index, softcap
+        ctx.reduction, ctx.softcap = reduction, softcap
         ctx.shape = logits.shape
         if write_grad:
             ctx.save_for_backward(grad)
@@ -86,7 +86,7 @@ class _CrossEntropy(torch.autograd.Function):
             x, y, lse, coef = saved
             coef = coef * cot[:, None]
             coef[:, 0] += g_lse.reshape(-1).float()
-            grad = _bwd(x, y, lse, coef.contiguous(), ctx.ignore_index, ctx.softcap)
+            grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
         return grad.reshape(ctx.shape), None, None, None, None, None, None, None
 
 

@@ -31,20 +31,19 @@ def rows_fwd(x, y, row_scale, opts):
         loss = loss + zl * lse * lse
         a = scale * (1.0 + 2.0 * zl * lse)
     loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, loss))
+    a = jnp.where(bad, jnp.nan, a)  # a NaN `a` makes the bad row's whole gradient NaN
     coef = jnp.stack([a, scale * (1.0 - eps), scale * eps / vocab], axis=1)
     return loss, lse, coef
 
 
 def rows_bwd(x, y, lse, coef, opts):
     """Gradient `(a * softmax - b * onehot - c) * dz/dx`, written chunk by chunk."""
-    vocab = x.shape[-1]
-    _, bad = label_state(y, vocab, opts.ignore_index)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[:, None]
     a, b, c = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
 
     def chunk_grad(cols, xc):
         z, dz = transform(xc, 1.0, opts.softcap)
-        g = (a * jnp.exp(z - lse_safe) - jnp.where(cols[None, :] == y[:, None], b, 0.0) - c) * dz
-        return jnp.where(bad[:, None], jnp.nan, g)
+        onehot_b = jnp.where(cols[None, :] == y[:, None], b, 0.0)
+        return (a * jnp.exp(z - lse_safe) - onehot_b - c) * dz
 
     return write_chunks(x, x.dtype, chunk_grad)

@@ -50,7 +50,10 @@ def _ce_slice_stats(row_ptr, label, start, stop, inv_temp, softcap,
 @triton.jit
 def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
                    HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """Per-row loss and the unit-cotangent gradient coefficients (a, b, c)."""
+    """Per-row loss and the unit-cotangent gradient coefficients (a, b, c).
+
+    A bad label makes `a` NaN, which turns the whole gradient row NaN without a per-element
+    check in the gradient loop."""
     loss = (1.0 - smoothing) * (lse - zy)
     a = scale
     if HAS_SMOOTHING:
@@ -60,13 +63,13 @@ def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
         a = scale * (1.0 + 2.0 * z_loss * lse)
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(bad, float("nan"), loss)
+    a = tl.where(bad, float("nan"), a)
     return loss, a, scale * (1.0 - smoothing), scale * smoothing / V
 
 
 @triton.jit
-def _ce_grad_slice(row_ptr, grad_row_ptr, label, bad, lse, a, b, c, start, stop, inv_temp,
-                   softcap, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   EVICTION: tl.constexpr):
+def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, a, b, c, start, stop, softcap,
+                   BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
     """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop).
 
     Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
@@ -77,10 +80,10 @@ def _ce_grad_slice(row_ptr, grad_row_ptr, label, bad, lse, a, b, c, start, stop,
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
-        z, dz = load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, EVICTION)
-        p = tl.exp(z - lse_safe)
-        g = (a * p - tl.where(cols == label, b, 0.0) - c) * dz
-        g = tl.where(bad, float("nan"), g)
+        z, dz = load_tile_hint(row_ptr, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+        g = a * tl.exp(z - lse_safe) - tl.where(cols == label, b, 0.0) - c
+        if HAS_SOFTCAP:
+            g = g * dz
         tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
                  eviction_policy=EVICTION)
 
@@ -120,8 +123,8 @@ def ce_fwd_kernel(
     tl.store(coef_ptr + row * 3 + 1, b)
     tl.store(coef_ptr + row * 3 + 2, c)
     if WRITE_GRAD:
-        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, bad, lse, a, b, c, 0, V, 1.0,
-                       softcap, BLOCK_V, HAS_SOFTCAP, "evict_first")
+        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, lse, a, b, c, 0, V, softcap,
+                       BLOCK_V, HAS_SOFTCAP, "evict_first")
 
 
 @triton.jit
@@ -195,25 +198,26 @@ def ce_bwd_kernel(
     # pointers
     logits_ptr, labels_ptr, lse_ptr, coef_ptr,
     # sizes, strides, options
-    V, stride_row, ignore_index, softcap,
+    V, stride_row, softcap,
     # outputs
     grad_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c)."""
+    """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c)
+    (a is NaN for a bad label, as the forward wrote it)."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
-    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    label = tl.load(labels_ptr + row).to(tl.int32)
     a = tl.load(coef_ptr + row * 3)
     b = tl.load(coef_ptr + row * 3 + 1)
     c = tl.load(coef_ptr + row * 3 + 2)
-    _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label, bad,
-                   tl.load(lse_ptr + row), a, b, c, start, stop, 1.0, softcap, BLOCK_V,
-                   HAS_SOFTCAP, "")
+    _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label,
+                   tl.load(lse_ptr + row), a, b, c, start, stop, softcap, BLOCK_V, HAS_SOFTCAP,
+                   "")
 
 
 @triton.jit
