@@ -1,12 +1,14 @@
 """Shared pieces of the examples: a small Flax NNX transformer, the losses, the training loop."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -190,8 +192,10 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
 
     Batches depend only on `cfg.seed`, so two runs with one seed see the same data in the same
     order. The validation loss is measured before the first step, every `eval_every` steps and
-    after the last. tokens/s counts every input position of a batch, padding included, and
-    leaves out the first (compiling) step and the evaluations.
+    after the last. `first_loss` is the first step's training loss, `final_loss` the mean
+    training loss over the last 10% of the steps (at most 10) for less batch-to-batch noise.
+    tokens/s counts every input position of a batch, padding included, and leaves out the
+    first (compiling) step and the evaluations.
     """
     optimizer = make_optimizer(model, cfg)
     step_fn = _make_step(loss_fn)
@@ -201,7 +205,7 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
     stream = batches(data.train_inputs, data.train_labels, cfg.batch_size, cfg.seed)
     losses: list[jax.Array] = []
     val_curve = [(0, evaluate(model, data.val_inputs, data.val_labels, eval_batch))]
-    train_time, timed_steps = 0.0, 0
+    train_time, timed_steps, last_sync = 0.0, 0, 1
     t0 = time.perf_counter()
     start = time.perf_counter()
     bar = tqdm(range(1, cfg.steps + 1), desc=desc, disable=not cfg.progress, dynamic_ncols=True)
@@ -224,16 +228,49 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
             start = time.perf_counter()
     bar.close()
     train_losses = [float(v) for v in losses]
+    tail = max(1, min(10, cfg.steps // 10))
     return dict(train_losses=train_losses, val_curve=val_curve,
-                first_loss=train_losses[0], final_loss=train_losses[-1],
+                first_loss=train_losses[0], final_loss=float(np.mean(train_losses[-tail:])),
                 first_val_loss=val_curve[0][1], final_val_loss=val_curve[-1][1],
                 tokens_per_s=timed_steps * tokens_per_step / train_time if train_time else None,
                 wall_s=time.perf_counter() - t0)
 
 
-# ----------------------------------------------------------------------------- outputs
-def plot_curves(runs: dict[str, dict], path: Path, title: str) -> None:
-    """One PNG with each run's train loss (thin) and validation loss (markers)."""
+# ----------------------------------------------------------------------------- CLI and outputs
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (a flag filled in from `--preset` or from another flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_preset_flags(parser: argparse.ArgumentParser, presets: dict[str, dict],
+                     flags: dict[str, dict]) -> None:
+    """Adds `--preset` and a flag per preset key (`flags[key]`: `add_argument` keywords); the
+    help of each lists its preset values. Call `apply_preset` after parsing."""
+    parser.add_argument("--preset", choices=list(presets), default=next(iter(presets)),
+                        help="defaults of the size flags that are not given")
+    for key in next(iter(presets.values())):
+        values = ", ".join(f"{name}: {preset[key]}" for name, preset in presets.items())
+        kwargs = dict(flags[key])
+        kwargs["help"] = f"{kwargs.get('help', '')} ({values})"
+        parser.add_argument("--" + key.replace("_", "-"), **kwargs)
+
+
+def apply_preset(args: argparse.Namespace, presets: dict[str, dict]) -> argparse.Namespace:
+    """Fills the preset flags left unset, and `cache_dir` (default `out / "cache"`)."""
+    for key, value in presets[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.cache_dir is None:
+        args.cache_dir = args.out / "cache"
+    return args
+
+
+def plot_curves(runs: dict[str, dict], path: Path, title: str,
+                no_train_curve: tuple[str, ...] = ()) -> None:
+    """One PNG with each run's train loss (thin; not for the runs in `no_train_curve`) and
+    validation loss (markers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -243,9 +280,10 @@ def plot_curves(runs: dict[str, dict], path: Path, title: str) -> None:
     for i, (name, hist) in enumerate(runs.items()):
         color = f"C{i}"
         train_losses = hist["train_losses"]
-        ax.plot(range(1, len(train_losses) + 1), train_losses, color=color, alpha=0.35, lw=0.8,
-                label=f"{name} train")
-        steps, vals = zip(*hist["val_curve"])
+        if name not in no_train_curve:
+            ax.plot(range(1, len(train_losses) + 1), train_losses, color=color, alpha=0.35,
+                    lw=0.8, label=f"{name} train")
+        steps, vals = zip(*hist["val_curve"], strict=True)
         ax.plot(steps, vals, "o-", color=color, ms=4, label=f"{name} validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
@@ -263,8 +301,7 @@ def write_metrics(metrics: dict, out: Path) -> None:
 
 
 def runtime_info() -> dict:
-    """The JAX backend and the cross-entropy implementation that `implementation=None` picks."""
-    from jax_fusedloss import _common as fl_common
-
-    return dict(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
-                ce_implementation=fl_common.default_implementation())
+    """The JAX backend and device (`jax_fusedloss` runs its Triton kernels on a CUDA GPU and
+    its pure-XLA implementation elsewhere)."""
+    return dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
+                jax_version=jax.__version__)

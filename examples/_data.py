@@ -12,8 +12,8 @@ import dataclasses
 import hashlib
 import random
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

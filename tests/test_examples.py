@@ -1,0 +1,105 @@
+"""Smoke tests of the examples: a few CPU steps with tiny settings, in-process.
+
+Each run trains a tokenizer on ~0.3 MB of the standard library (cached for the module), a
+one-block model and a 512-token vocabulary for a handful of steps.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+for _name in ("flax", "optax", "tokenizers", "tqdm", "matplotlib"):
+    pytest.importorskip(_name)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_fusedloss  # noqa: E402
+from examples import _common, _data, distill, train_lm  # noqa: E402
+
+TINY = ["--vocab", "512", "--text-mb", "0.3", "--seq-len", "64", "--batch", "8",
+        "--d-model", "64", "--layers", "1", "--heads", "2", "--lr", "1e-2", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One tokenizer cache for every test of the module."""
+    return tmp_path_factory.mktemp("tokenizer_cache")
+
+
+def _tiny(out, cache_dir, *extra: str) -> list[str]:
+    return TINY + ["--out", str(out), "--cache-dir", str(cache_dir), *extra]
+
+
+def _optax_masked_mean(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    mask = labels != _data.IGNORE_INDEX
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(mask, labels, 0))
+    return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.sum(mask)
+
+
+def test_pack_pads_document_tails_with_ignored_labels():
+    x, y = _data.pack([[1, 2, 3, 4, 5], [6, 7]], seq_len=4, eos_id=0, pad_id=9)
+    # [1 2 3 4 5 eos] -> (1 2 3 4 | 2 3 4 5), (5 pad pad pad | eos -100 -100 -100); [6 7 eos] -> ...
+    np.testing.assert_array_equal(x, [[1, 2, 3, 4], [5, 9, 9, 9], [6, 7, 9, 9]])
+    np.testing.assert_array_equal(y, [[2, 3, 4, 5], [0, -100, -100, -100], [7, 0, -100, -100]])
+
+
+def test_first_step_loss_matches_optax(tmp_path, cache_dir):
+    args = train_lm.parse_args(_tiny(tmp_path, cache_dir))
+    data = train_lm.load_data(args)
+    model = _common.TransformerLM(train_lm.model_config(args, data.vocab_size),
+                                  rngs=nnx.Rngs(args.seed))
+    x, y = next(_data.batches(data.train_inputs, data.train_labels, args.batch, args.seed))
+    padded = np.flatnonzero((data.train_labels == _data.IGNORE_INDEX).any(axis=1))
+    x, y = np.concatenate([x, data.train_inputs[padded[:2]]]), np.concatenate(
+        [y, data.train_labels[padded[:2]]])
+    assert (y == _data.IGNORE_INDEX).any(), "the batch must contain padding"
+    logits = model(x)
+    fused = jax_fusedloss.cross_entropy(logits, y, ignore_index=-100, z_loss=0.0)
+    np.testing.assert_allclose(fused, _optax_masked_mean(logits, y), rtol=1e-5)
+    for z_loss in (0.0, 1e-4):  # the examples' A/B pair, with and without the z-loss
+        np.testing.assert_allclose(
+            _common.lm_loss(logits, y, impl="fused", z_loss=z_loss),
+            _common.lm_loss(logits, y, impl="optax", z_loss=z_loss), rtol=1e-5)
+
+
+def test_train_lm_loss_falls_and_writes_outputs(tmp_path, cache_dir):
+    metrics = train_lm.main(_tiny(tmp_path, cache_dir, "--steps", "10"))
+    assert metrics["loss_impl"] == "fused"
+    assert metrics["final_loss"] < metrics["first_loss"] - 0.3
+    assert metrics["final_val_loss"] < metrics["first_val_loss"] - 0.3
+    assert metrics["data"]["padding_fraction"] > 0
+    check = metrics["first_step_check"]
+    np.testing.assert_allclose(check["fused"], check["optax"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["first_loss"], check["fused"], rtol=1e-5)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert {"first_loss", "final_loss", "final_val_loss", "loss_impl"} <= saved.keys()
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
+
+
+def test_train_lm_ab_flag_same_first_loss(tmp_path, cache_dir):
+    fused = train_lm.main(_tiny(tmp_path / "fused", cache_dir, "--steps", "3"))
+    optax_run = train_lm.main(_tiny(tmp_path / "optax", cache_dir, "--steps", "3",
+                                    "--loss", "optax"))
+    assert optax_run["loss_impl"] == "optax"
+    np.testing.assert_allclose(optax_run["first_loss"], fused["first_loss"], rtol=1e-5)
+    np.testing.assert_allclose(optax_run["train_losses"], fused["train_losses"], rtol=1e-3)
+
+
+@pytest.mark.skipif(not hasattr(jax_fusedloss, "distill_loss"),
+                    reason="jax_fusedloss.distill_loss is not available")
+def test_distill_smoke(tmp_path, cache_dir):
+    metrics = distill.main(_tiny(tmp_path, cache_dir, "--teacher-steps", "10", "--steps", "6",
+                                 "--teacher-d-model", "64", "--d-model", "32", "--k", "8"))
+    for name in ("distilled", "baseline"):
+        student = metrics["students"][name]
+        assert student["final_loss"] < student["first_loss"]
+        assert student["final_val_loss"] < student["first_val_loss"]
+    assert np.isfinite([metrics["val_loss_distilled"], metrics["val_loss_baseline"]]).all()
+    first = {name: s["first_val_loss"] for name, s in metrics["students"].items()}
+    assert first["distilled"] == first["baseline"], "students must start from one init"
+    assert (tmp_path / "metrics.json").exists() and (tmp_path / "loss_curves.png").exists()
