@@ -12,8 +12,9 @@ for a unit cotangent w.r.t. x_j is
     ce_a * (softmax(x)_j - [j == y]) + kd_a * inv_temp * (P * softmax(s)_j - sum_{id_k = j} p_k)
 with "topk" replacing softmax(s)_j by sum_{id_k = j} exp(s_j - L) (zero away from the ids).
 A row walks its vocabulary once for the statistics; the gradient pass writes the dense part
-tile by tile (backwards, for L2 reuse), then, after a barrier, stores the K id columns with
-their complete values computed from scratch in float32 (duplicates get identical values).
+tile by tile (backwards, for L2 reuse; one FMA and one exp2 per column and term, no per-column
+label test), then, after a barrier, stores the K id columns and the label column with their
+complete values computed from scratch in float32 (duplicate ids get identical values).
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
 launch them identically. Imports triton only.
@@ -26,6 +27,7 @@ from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, safe_m
 from jax_fusedloss.kernels.cross_entropy import _label_state
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -83,51 +85,61 @@ def _merge_lse(m_i, s_i):
 
 
 @triton.jit
-def _coefs(P, ce_a, kd_a, inv_temp, FULL: tl.constexpr, KD_STATS: tl.constexpr):
-    """Dense-part coefficients on softmax(x) and softmax(s); with FULL and no KD_STATS the
-    temperature is 1 and both softmaxes are one."""
+def _dense_offsets(lse_x, L, P, ce_a, kd_a, inv_temp, bad, FULL: tl.constexpr,
+                   KD_STATS: tl.constexpr):
+    """Exponent offsets (off_x, off_s) of the dense gradient, coef_x * softmax(x)_j +
+    coef_s * softmax(s)_j = exp2(x_j * LOG2E - off_x) + exp2(x_j * inv_temp * LOG2E - off_s):
+    each coefficient (>= 0; 0 gives offset +inf and a zero term) is folded into its exponent,
+    so a column costs one FMA and one exp2 per term. With FULL and no KD_STATS the temperature
+    is 1 and both softmaxes are one. A bad label makes off_x NaN: a NaN row, no per-column
+    check."""
     coef_x = ce_a
     coef_s = kd_a * inv_temp * P
     if FULL:
         if not KD_STATS:
             coef_x = ce_a + coef_s
-    return coef_x, coef_s
+    off_x = tl.where(bad, float("nan"), safe_max(lse_x) * LOG2E - tl.log2(coef_x))
+    return off_x, safe_max(L) * LOG2E - tl.log2(coef_s)
 
 
 @triton.jit
-def _dense_grad(row_ptr, grad_row_ptr, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp,
-                start, stop, BLOCK_V: tl.constexpr, CE_STATS: tl.constexpr,
-                KD_STATS: tl.constexpr):
-    """Writes coef_x * softmax(x) - ce_a * onehot(y) + coef_s * softmax(s) over [start, stop),
-    walking backwards (the tiles read last are the likeliest to be in L2) and streaming
-    (evict_first). Zeros without a load when neither term is present ("topk" kd_loss)."""
-    lse_x = safe_max(lse_x)
-    L = safe_max(L)
+def _dense_value(z, off_x, off_s, inv_temp, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr):
+    g = tl.zeros_like(z)
+    if CE_STATS:
+        g += tl.math.exp2(z * LOG2E - off_x)
+    if KD_STATS:
+        g += tl.math.exp2(z * (inv_temp * LOG2E) - off_s)
+    return g
+
+
+@triton.jit
+def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, bad, lse_x, L,
+                P, ce_a, kd_a, inv_temp, start, stop, EVICTION: tl.constexpr,
+                BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+                FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr):
+    """Writes the unit-cotangent gradient of columns [start, stop) of one row.
+
+    1. The dense part, coef_x * softmax(x) + coef_s * softmax(s), tile by tile, walking
+       backwards (the tiles the statistics pass read last are the likeliest to be in L2);
+       zeros without a load when there is none ("topk" kd_loss).
+    2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
+       entries sharing an id sum their p (and, for "topk", count their q) through a
+       [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
+    3. The label column (distill) when it is not a teacher id: dense value - ce_a.
+    """
+    off_x, off_s = _dense_offsets(lse_x, L, P, ce_a, kd_a, inv_temp, bad, FULL, KD_STATS)
     n_tiles = tl.cdiv(stop - start, BLOCK_V)
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
-        g = tl.zeros([BLOCK_V], tl.float32)
-        if CE_STATS or KD_STATS:
-            z, _ = load_tile_hint(row_ptr, cols, mask, 1.0, 1.0, False, "evict_first")
-            if CE_STATS:
-                g += coef_x * tl.exp(z - lse_x) - tl.where(cols == label, ce_a, 0.0)
-            if KD_STATS:
-                g += coef_s * tl.exp(z * inv_temp - L)
-            g = tl.where(bad, float("nan"), g)
+        if DISTILL or KD_STATS:
+            z, _ = load_tile_hint(x_row, cols, mask, 1.0, 1.0, False, EVICTION)
+            g = _dense_value(z, off_x, off_s, inv_temp, DISTILL, KD_STATS)
+        else:
+            g = tl.zeros([BLOCK_V], tl.float32)
         tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy="evict_first")
-
-
-@triton.jit
-def _sparse_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, bad, lse_x, L,
-                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K: tl.constexpr,
-                 K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr):
-    """Stores the complete gradient at the valid ids in [start, stop) (after the dense part).
-
-    Entries sharing an id sum their p (and, for "topk", their q) through a [BLOCK_K, K_CHUNK]
-    comparison per step, so all of them store the same value: no race, no atomics.
-    """
+                 eviction_policy=EVICTION)
+    tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
     ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     xk = _gather(x_row, ids, valid)
     sum_p = tl.zeros([BLOCK_K], tl.float32)
@@ -148,6 +160,15 @@ def _sparse_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label,
     g = tl.where(bad, float("nan"), g)
     own = valid & (ids >= start) & (ids < stop)
     tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
+    if DISTILL:
+        # -1 (no store) when the row is inactive or the label is a teacher id (stored above).
+        is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
+        y = tl.where(active & (is_id == 0), label, -1)
+        own_y = (y >= start) & (y < stop)
+        zy, _ = load_tile_hint(x_row, tl.where(own_y, y, 0), own_y, 1.0, 1.0, False, "")
+        gy = _dense_value(zy, off_x, off_s, inv_temp, DISTILL, KD_STATS) - ce_a
+        tl.store(grad_row_ptr + tl.where(own_y, y, 0), gy.to(grad_row_ptr.dtype.element_ty),
+                 mask=own_y)
 
 
 @triton.jit
@@ -217,13 +238,9 @@ def kd_fwd_kernel(
     tl.store(out + 3, ce_a)
     tl.store(out + 4, kd_a)
     if WRITE_GRAD:
-        grad_row = grad_ptr + row * V
-        coef_x, coef_s = _coefs(P, ce_a, kd_a, inv_temp, FULL, KD_STATS)
-        _dense_grad(x_row, grad_row, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp, 0, V,
-                    BLOCK_V, DISTILL, KD_STATS)
-        tl.debug_barrier()
-        _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad,
-                     lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL)
+        _write_grad(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label,
+                    bad, lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, "evict_first", BLOCK_V,
+                    BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS)
 
 
 @triton.jit
@@ -283,12 +300,9 @@ def kd_bwd_kernel(
     P = tl.load(st + 2)
     ce_a = tl.load(st + 3)
     kd_a = tl.load(st + 4)
-    coef_x, coef_s = _coefs(P, ce_a, kd_a, inv_temp, FULL, KD_STATS)
-    _dense_grad(x_row, grad_row, label, bad, lse_x, L, coef_x, ce_a, coef_s, inv_temp, start,
-                stop, BLOCK_V, DISTILL, KD_STATS)
-    tl.debug_barrier()
-    _sparse_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad, lse_x, L,
-                 P, ce_a, kd_a, inv_temp, start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL)
+    _write_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad, lse_x, L,
+                P, ce_a, kd_a, inv_temp, start, stop, "", BLOCK_V, BLOCK_K, K_CHUNK, FULL,
+                DISTILL, KD_STATS)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int) -> dict:
