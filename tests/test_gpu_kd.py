@@ -101,19 +101,19 @@ def _check(fn, n, dtype, **opts):
         assert torch.all(xt.grad[n // 2] == 0), "a token without teacher entries"
 
 
+# Each case compiles its kernels twice (jax-triton and torch): few cases, each covering much.
 @pytest.mark.parametrize("n", [4096, 8])
 @pytest.mark.parametrize("normalize", ["full", "topk"])
 def test_kd_llama3_vocab(n, normalize):
     _check("kd", n, "bfloat16", normalize=normalize, temperature=1.0 if n == 8 else 2.0)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_kd_other_dtypes(dtype):
-    _check("kd", 4096, dtype, normalize="full", temperature=1.5)
+def test_kd_float32():
+    _check("kd", 4096, "float32", normalize="full", temperature=1.5)
 
 
-@pytest.mark.parametrize("n", [4096, 8])
-@pytest.mark.parametrize("temperature,normalize", [(1.0, "full"), (2.0, "full"), (2.0, "topk")])
+@pytest.mark.parametrize("n,temperature,normalize", [(4096, 1.0, "full"), (4096, 2.0, "full"),
+                                                     (8, 2.0, "topk")])
 def test_distill_llama3_vocab(n, temperature, normalize):
     _check("distill", n, "bfloat16", alpha=0.5, temperature=temperature, normalize=normalize,
            temperature_squared=temperature != 1.0)
