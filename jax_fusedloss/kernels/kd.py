@@ -22,8 +22,7 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, safe_max, stats_to_lse,
-                                           tile_update)
+from jax_fusedloss.kernels._online import hint_multiple, load_tile_hint, safe_max, stats_to_lse
 from jax_fusedloss.kernels.cross_entropy import _label_state
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
@@ -63,19 +62,29 @@ def _gather(x_row, ids, valid):
 @triton.jit
 def _slice_stats(row_ptr, start, stop, inv_temp, BLOCK_V: tl.constexpr,
                  CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
-    """(max, sum) pairs of x (CE_STATS) and of s = x * inv_temp (KD_STATS) over [start, stop)."""
-    mx = tl.full([], float("-inf"), tl.float32)
+    """Online softmax over [start, stop): the running max m of the raw logits (shared: x / T
+    has its max at the same column) and the sums lx = sum exp(x - m) (CE_STATS) and
+    ls = sum exp((x - m) / T) (KD_STATS), each one FFMA and one exp2 per element.
+
+    logsumexp(x) = m + log(lx) and logsumexp(x / T) = m / T + log(ls).
+    """
+    c_kd = inv_temp * LOG2E
+    m = tl.full([], float("-inf"), tl.float32)
     lx = tl.zeros([], tl.float32)
-    ms = tl.full([], float("-inf"), tl.float32)
     ls = tl.zeros([], tl.float32)
     for off in range(start, stop, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
         z, _ = load_tile_hint(row_ptr, cols, cols < stop, 1.0, 1.0, False, EVICTION)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        m_safe = safe_max(m_new)
         if CE_STATS:
-            mx, lx = tile_update(mx, lx, z)
+            lx = lx * tl.math.exp2((m - m_safe) * LOG2E) + tl.sum(
+                tl.math.exp2(z * LOG2E - m_safe * LOG2E), axis=0)
         if KD_STATS:
-            ms, ls = tile_update(ms, ls, z * inv_temp)
-    return mx, lx, ms, ls
+            ls = ls * tl.math.exp2((m - m_safe) * c_kd) + tl.sum(
+                tl.math.exp2(z * c_kd - m_safe * c_kd), axis=0)
+        m = m_new
+    return m, lx, m * inv_temp, ls
 
 
 @triton.jit
