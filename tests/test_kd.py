@@ -164,7 +164,7 @@ def test_kd_grid(impl, path_name, dtype, case, monkeypatch, interpreter):
 
 
 @pytest.mark.parametrize("impl,path_name", IMPL_PATHS)
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # float16: the kd grid
 @pytest.mark.parametrize("case", list(DISTILL_CASES))
 def test_distill_grid(impl, path_name, dtype, case, monkeypatch, interpreter):
     force_path(path_name, monkeypatch)
