@@ -64,7 +64,7 @@ def distill_loss(
       ignore_index: label value whose tokens are skipped.
       normalize: "full" or "topk" (see `kd_loss`).
       reduction: "mean", "sum" or "none".
-      num_items: denominator of both "mean" terms (an int >= 1 or a scalar array).
+      num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
       temperature_squared: multiply the KD term by T**2.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
 

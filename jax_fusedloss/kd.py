@@ -268,8 +268,8 @@ def kd_loss(
       reduction: "mean" (the sum over tokens divided by the number of tokens with at least
         one counting entry, 0 when there is none, or by `num_items`), "sum" or "none" (float32
         `[...]`).
-      num_items: the denominator of "mean" (an int >= 1 or a scalar array), e.g. the token
-        count of a whole accumulated batch when this call sees one micro-batch.
+      num_items: the denominator of "mean" (an int >= 1 or a positive scalar array), e.g. the
+        token count of a whole accumulated batch when this call sees one micro-batch.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
 
     Returns:
