@@ -10,6 +10,10 @@ DEFAULT_NUM_SMS = 132  # H100 SXM / H200; used on the CPU interpreter, where the
 # A row path wants about this many programs per SM to keep the memory system busy; below
 # that we split each row's vocabulary over several programs (two-level reduction).
 PROGRAMS_PER_SM = 2
+# Once rows are split, few rows are latency-bound rather than bandwidth-bound: aim for more,
+# shorter programs (about one or two tiles each at N = 8..64, V = 128K) so that many loads
+# are in flight at once.
+SPLIT_PROGRAMS_PER_SM = 8
 # A pass that also writes the gradient re-reads each row: 64 KiB tiles with 32 warps keep the
 # most bytes in flight per SM. Measured on H100 at N=8192, V=128256 (2026-11-22): bf16 fused
 # fwd+grad 2.07 ms with 16384-element tiles and 32 warps vs 2.14 ms with 8192 and 16 warps; fp32
@@ -34,18 +38,24 @@ def row_config(n_rows: int, vocab: int, itemsize: int, num_sms: int = DEFAULT_NU
     `write_grad`: the pass also writes a `[n_rows, vocab]` gradient (bigger tiles pay off).
     """
     del itemsize  # the measured optimum is in elements for both bf16 and fp32
-    max_tile = GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS
-    block_v = max(16, min(triton.next_power_of_2(max(vocab, 1)), max_tile))
-    # One warp per 512 elements of a tile (16 values per thread, 2-4 16-byte vector loads).
-    num_warps = min(32, max(4, block_v // 512))
+    if n_rows >= PROGRAMS_PER_SM * num_sms:
+        block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
+        return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
+                         vocab_align(vocab))
+    # Few rows: split each row over programs; short latency-bound programs want small tiles.
+    block_v, num_warps = _tile(vocab, FWD_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
-    target_programs = PROGRAMS_PER_SM * num_sms
-    if n_rows >= target_programs or n_tiles == 1:
-        return RowConfig(block_v, num_warps, 1, n_tiles * block_v, vocab_align(vocab))
-    splits = min(n_tiles, triton.cdiv(target_programs, max(n_rows, 1)))
+    splits = min(n_tiles, triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, max(n_rows, 1)))
     split_v = triton.cdiv(n_tiles, splits) * block_v
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
                      vocab_align(vocab))
+
+
+def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
+    """(tile elements, warps): one warp per 512 elements (16 values per thread, 2-4 16-byte
+    vector loads), 4 to 32 warps."""
+    block_v = max(16, min(triton.next_power_of_2(max(vocab, 1)), max_tile))
+    return block_v, min(32, max(4, block_v // 512))
 
 
 def vocab_align(*sizes: int) -> int:
