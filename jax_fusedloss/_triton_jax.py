@@ -92,14 +92,13 @@ def _torch_dtype(dtype):
             np.dtype(np.int64): torch.int64}[np.dtype(dtype)]
 
 
-def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases, zeroed):
+def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
     import torch
 
     def host(*arrays):
         with _INTERPRET_LOCK:
             ins = [_to_torch(a) for a in arrays]
-            outs = [(torch.zeros if i in zeroed else torch.empty)(
-                s.shape, dtype=_torch_dtype(s.dtype)) for i, s in enumerate(out_shapes)]
+            outs = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
             for i, o in aliases.items():  # emulate aliasing: the output starts as the input
                 outs[o] = ins[i].clone()
             kernel[grid](*ins, *scalars, *outs, **constexprs)
@@ -111,30 +110,26 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases, z
 def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
            scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
            num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
-           input_output_aliases: dict[int, int] | None = None,
-           zeroed_outputs: Sequence[int] = ()) -> tuple[jax.Array, ...]:
+           input_output_aliases: dict[int, int] | None = None) -> tuple[jax.Array, ...]:
     """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
     maps an input index to an output index: on the GPU the output reuses the input's buffer
     (XLA copies it first if the input is still live), in the interpreter it starts as a copy.
-    `zeroed_outputs` lists output indices whose buffers are zero when the kernel starts (on
-    the GPU jax-triton memsets them just before the launch, inside the same custom call).
     """
     check_triton_available()
     constexprs = dict(constexprs or {})
     aliases = dict(input_output_aliases or {})
-    zeroed = tuple(zeroed_outputs)
     scalars = [np.float32(s) if isinstance(s, float) else s for s in scalars]
     if on_cuda_gpu():
         outs = _jax_triton().triton_call(
             *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
-            zeroed_outputs=zeroed, **constexprs)
+            **constexprs)
         return tuple(outs)
     return _interpret(kernel, grid, inputs, [float(s) if isinstance(s, np.floating) else s
                                              for s in scalars],
-                      out_shapes, constexprs, aliases, zeroed)
+                      out_shapes, constexprs, aliases)
 
 
 def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:

@@ -7,7 +7,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_fusedloss import _common, _triton_jax
 from jax_fusedloss._xla import reductions as _xla_red
@@ -32,27 +31,36 @@ def _flags(opts: RedOptions, has_label: bool) -> dict:
 
 
 def _triton_rows_fwd(x, y, opts: RedOptions):
-    """Per-row (lse, entropy or None, logp or None) through one red_fwd_kernel launch."""
+    """Per-row (lse, entropy or None, logp or None) through red_fwd_kernel (+ merge kernel)."""
     f32 = jnp.float32
     has_label = y is not None
 
     def body(x, *maybe_y):  # no default argument: custom_vmap would pass it on as an operand
         k, cfg = _config(x)
         n, vocab = x.shape
-        # a NumPy dummy is an HLO constant: no broadcast kernel runs beside the launch
-        labels = maybe_y[0] if has_label else np.zeros((1,), np.int32)
+        labels = maybe_y[0] if has_label else jnp.zeros((1,), jnp.int32)
         row = jax.ShapeDtypeStruct((n,), f32)
         dummy = jax.ShapeDtypeStruct((1,), f32)
-        split = cfg.num_splits > 1
-        # partials, per-row tickets (zeroed before the launch), lse, entropy, logp
-        out_shapes = [jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32) if split else dummy,
-                      jax.ShapeDtypeStruct((n,) if split else (1,), jnp.int32),
-                      row, row if opts.entropy else dummy, row if has_label else dummy]
-        _, _, *outs = _triton_jax.launch(
-            k.red_fwd_kernel, grid=(n, cfg.num_splits), inputs=[x, labels],
-            scalars=[vocab, vocab, 1.0 / opts.temperature], out_shapes=out_shapes,
-            num_warps=cfg.num_warps, zeroed_outputs=(1,) if split else (),
-            constexprs=dict(k.fwd_constexprs(cfg), **_flags(opts, has_label)))
+        outs = [row, row if opts.entropy else dummy, row if has_label else dummy]
+        flags = dict(_flags(opts, has_label), ALIGN=cfg.align)
+        if cfg.num_splits == 1:
+            _, *outs = _triton_jax.launch(
+                k.red_fwd_kernel, grid=(n,), inputs=[x, labels],
+                scalars=[vocab, vocab, 1.0 / opts.temperature], out_shapes=[dummy] + outs,
+                num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, **flags))
+        else:
+            (part, *_) = _triton_jax.launch(
+                k.red_fwd_kernel, grid=(n, cfg.num_splits), inputs=[x, labels],
+                scalars=[vocab, vocab, 1.0 / opts.temperature],
+                out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)] + [dummy] * 3,
+                num_warps=cfg.num_warps,
+                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, **flags))
+            outs = _triton_jax.launch(
+                k.red_merge_kernel, grid=(n,), inputs=[part, labels], scalars=[vocab],
+                out_shapes=outs, num_warps=1,
+                constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits),
+                                **_flags(opts, has_label)))
         return tuple(o for o, want in zip(outs, (True, opts.entropy, has_label)) if want)
 
     outs = iter(_triton_jax.rowwise(body)(*((x, y) if has_label else (x,))))
@@ -164,8 +172,7 @@ def logsumexp(logits: jax.Array, *, temperature: float = 1.0,
         \frac{\partial\, \mathrm{lse}}{\partial\, \mathrm{logits}_j} = \mathrm{softmax}(z)_j / T
 
     Rows that are few but long are split over several programs (two-level reduction: partial
-    `(max, sum)` per vocabulary slice, merged by the row's last program to finish, in the same
-    launch; see `merge_partials`).
+    `(max, sum)` per vocabulary slice, then a merge; see `merge_partials`).
 
     Args:
       logits: `[..., V]` float32, bfloat16 or float16.

@@ -26,13 +26,20 @@ def _fwd(x, y, inv_temp, want_entropy):
     dummy = torch.empty(1, **f32)
     outs = [torch.empty(n, **f32), torch.empty(n, **f32) if want_entropy else dummy,
             torch.empty(n, **f32) if has_label else dummy]
-    split = cfg.num_splits > 1
-    # partials and per-row tickets (zero at launch) for the split path, dummies for the row path
-    part = torch.empty(n, cfg.num_splits, 4, **f32) if split else dummy
-    count = torch.zeros(n if split else 1, dtype=torch.int32, device=x.device)
-    launch(k.red_fwd_kernel, (n, cfg.num_splits), [x, labels], [vocab, x.stride(0), inv_temp],
-           [part, count] + outs, cfg.num_warps,
-           dict(k.fwd_constexprs(cfg), HAS_ENTROPY=want_entropy, HAS_LABEL=has_label))
+    flags = dict(HAS_ENTROPY=want_entropy, HAS_LABEL=has_label)
+    if cfg.num_splits == 1:
+        launch(k.red_fwd_kernel, (n,), [x, labels], [vocab, x.stride(0), inv_temp],
+               [dummy] + outs, cfg.num_warps,
+               dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, ALIGN=cfg.align,
+                    **flags))
+    else:
+        part = torch.empty(n, cfg.num_splits, 4, **f32)
+        launch(k.red_fwd_kernel, (n, cfg.num_splits), [x, labels], [vocab, x.stride(0), inv_temp],
+               [part, dummy, dummy, dummy], cfg.num_warps,
+               dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
+                    **flags))
+        launch(k.red_merge_kernel, (n,), [part, labels], [vocab], outs, 1,
+               dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits), **flags))
     lse, ent, logp = outs
     return lse, ent if want_entropy else None, logp if has_label else None
 

@@ -1,4 +1,4 @@
-"""Split-vocabulary log-sum-exp, entropy and token log-probs: one-launch forward, backward.
+"""Split-vocabulary log-sum-exp, entropy and token log-probs: forward, merge, backward.
 
 Per row, with z = x * inv_temp, lse = logsumexp(z), p = softmax(z) and label y:
     lse,    H = lse - sum_j p_j z_j = log(s) - u / s,    logp = z_y - lse,
@@ -85,50 +85,20 @@ def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr,
 
 
 @triton.jit
-def _red_merge_finish(row, part_row_ptr, num_splits, label, V, lse_ptr, ent_ptr, logp_ptr,
-                      BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                      HAS_LABEL: tl.constexpr):
-    """Merges a row's `num_splits` partials (m, s, u, z[y] or 0) at part_row_ptr and finishes
-    the row. Loads through L2 (".cg"): the partials were written by other programs."""
-    idx = tl.arange(0, BLOCK_S)
-    valid = idx < num_splits
-    base = part_row_ptr + idx * 4
-    m_i = tl.load(base, mask=valid, other=float("-inf"), cache_modifier=".cg")
-    s_i = tl.load(base + 1, mask=valid, other=0.0, cache_modifier=".cg")
-    u_i = tl.load(base + 2, mask=valid, other=0.0, cache_modifier=".cg")
-    m = tl.max(m_i, axis=0)
-    s_i, u_i = _rescale(m_i, s_i, u_i, safe_max(m))
-    zy = tl.zeros([], tl.float32)
-    if HAS_LABEL:
-        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0, cache_modifier=".cg"), axis=0)
-    _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
-                logp_ptr, HAS_ENTROPY, HAS_LABEL)
-
-
-@triton.jit
 def red_fwd_kernel(
     # pointers
     logits_ptr, labels_ptr,
     # sizes, strides, options
     V, stride_row, inv_temp,
-    # outputs: split path: partials float32 [N, NUM_SPLITS, 4] = (m, s, u, z[y] or 0) and
-    # per-row arrival tickets int32 [N], zero at launch (row path: 1-element dummies); per-row
-    # lse, entropy, log-prob (unused ones may be 1-element dummies)
-    part_ptr, count_ptr, lse_ptr, ent_ptr, logp_ptr,
+    # outputs: partials float32 [N, NUM_SPLITS, 4] = (m, s, u, z[y] or 0) unless FINISH;
+    # per-row lse, entropy, log-prob if FINISH (unused ones may be 1-element dummies)
+    part_ptr, lse_ptr, ent_ptr, logp_ptr,
     # constexprs
-    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr, FINISH: tl.constexpr,
-    ALIGN: tl.constexpr,
+    SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_LABEL: tl.constexpr, FINISH: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Row path (FINISH, grid (N, 1)): one program reads the whole row and writes its outputs.
-
-    Split path (grid (N, NUM_SPLITS), NUM_SPLITS <= BLOCK_S): each program writes the partials
-    of one vocabulary slice and takes a ticket from its row's counter; the program that takes
-    the last ticket merges the row's partials and writes its outputs, all in one launch. The
-    ticket is an acq_rel atomic after a CTA barrier: its release half publishes this CTA's
-    partial stores before the ticket count moves, its acquire half makes every earlier
-    program's partials visible to the last one.
-    """
+    """Grid (N, NUM_SPLITS): the partials of one vocabulary slice; with FINISH (row path,
+    grid (N,)) the whole row in one program and its outputs directly, with no merge launch."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -147,18 +117,42 @@ def red_fwd_kernel(
         _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, HAS_ENTROPY,
                     HAS_LABEL)
     else:
-        num_splits = tl.num_programs(1)
-        part_row_ptr = part_ptr + row * num_splits * 4
-        out = part_row_ptr + tl.program_id(1) * 4
+        out = part_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * 4
         tl.store(out, m)
         tl.store(out + 1, s)
         tl.store(out + 2, u)
         tl.store(out + 3, zy)
-        tl.debug_barrier()  # every thread's partial stores precede the ticket's release
-        ticket = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
-        if ticket == num_splits - 1:
-            _red_merge_finish(row, part_row_ptr, num_splits, label, V, lse_ptr, ent_ptr,
-                              logp_ptr, BLOCK_S, HAS_ENTROPY, HAS_LABEL)
+
+
+@triton.jit
+def red_merge_kernel(
+    # pointers
+    part_ptr, labels_ptr,
+    # sizes
+    V,
+    # outputs (unused ones may be 1-element dummies)
+    lse_ptr, ent_ptr, logp_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+    HAS_LABEL: tl.constexpr,
+):
+    """Split path, grid (N,): merges a row's NUM_SPLITS partials and finishes the row."""
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.arange(0, BLOCK_S)
+    valid = idx < NUM_SPLITS
+    base = part_ptr + (row * NUM_SPLITS + idx) * 4
+    m_i = tl.load(base, mask=valid, other=float("-inf"))
+    s_i = tl.load(base + 1, mask=valid, other=0.0)
+    u_i = tl.load(base + 2, mask=valid, other=0.0)
+    m = tl.max(m_i, axis=0)
+    s_i, u_i = _rescale(m_i, s_i, u_i, safe_max(m))
+    label = -1
+    zy = tl.zeros([], tl.float32)
+    if HAS_LABEL:
+        label = tl.load(labels_ptr + row).to(tl.int32)
+        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
+    _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
+                logp_ptr, HAS_ENTROPY, HAS_LABEL)
 
 
 @triton.jit
@@ -221,13 +215,6 @@ def reduction_config(n_rows: int, vocab: int, itemsize: int, num_sms: int,
     return row_config(n_rows, vocab, itemsize, num_sms, write_grad)
 
 
-def fwd_constexprs(cfg: RowConfig) -> dict:
-    """SPLIT_V, BLOCK_V, BLOCK_S, FINISH and ALIGN of red_fwd_kernel for a launch config.
-
-    BLOCK_S is the splits rounded up to a power of two (at least 2). The row path does not
-    read SPLIT_V or BLOCK_S: fixed values there avoid a compile per vocabulary size.
-    """
-    split = cfg.num_splits > 1
-    return dict(SPLIT_V=cfg.split_v if split else cfg.block_v, BLOCK_V=cfg.block_v,
-                BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)), FINISH=not split,
-                ALIGN=cfg.align)
+def merge_block(num_splits: int) -> int:
+    """BLOCK_S of red_merge_kernel: the splits rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(num_splits))
