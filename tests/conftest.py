@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config, items):
 def interpreter():
     """Marks a test that needs Triton's interpreter (the CPU suite)."""
     return True
+
+
+@pytest.fixture(params=["rows", "split"])
+def path(request, monkeypatch):
+    """Runs a test on both launch paths of the Triton kernels (see helpers.force_path)."""
+    from tests.helpers import force_path
+
+    return force_path(request.param, monkeypatch)

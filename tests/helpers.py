@@ -52,3 +52,15 @@ def assert_grad_close(actual, expected, dtype: str, what: str = "grad") -> None:
     scale = float(np.max(np.abs(e))) if e.size else 1.0
     assert_close(actual, e, atol=GRAD_TOL[dtype] * max(scale, 1e-30), rtol=GRAD_TOL[dtype],
                  what=what)
+
+
+def force_path(name: str, monkeypatch) -> str:
+    """Forces the launch heuristic onto the fused row path ("rows": 1 SM, so every batch has
+    enough rows) or the two-level split path ("split": 64 SMs, so small batches split)."""
+    from jax_fusedloss import _triton_jax
+    import torch_ref._launch
+
+    sms = 1 if name == "rows" else 64
+    monkeypatch.setattr(_triton_jax, "num_sms", lambda: sms)
+    monkeypatch.setattr(torch_ref._launch, "num_sms", lambda t: sms)
+    return name

@@ -11,9 +11,8 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-import torch_ref._launch
 from jax_fusedloss import _triton_jax
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, random_logits,
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
                            to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
@@ -28,18 +27,6 @@ OPTIONS = {
     "softcap": dict(logit_softcap=4.0),
     "combined": dict(label_smoothing=0.2, z_loss=1e-3, logit_softcap=7.0, ignore_index=-1),
 }
-
-
-@pytest.fixture(params=["rows", "split"])
-def path(request, monkeypatch):
-    return force_path(request.param, monkeypatch)
-
-
-def force_path(name, monkeypatch):
-    """Forces the fused row path (1 SM: rows >= programs wanted) or the split path."""
-    monkeypatch.setattr(_triton_jax, "num_sms", lambda: 1 if name == "rows" else 64)
-    monkeypatch.setattr(torch_ref._launch, "num_sms", lambda t: 1 if name == "rows" else 64)
-    return name
 
 
 def make_labels(seed, shape, vocab, ignore_index=-100, frac_ignored=0.3):

@@ -10,9 +10,7 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-import torch_ref._launch
-from jax_fusedloss import _triton_jax
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, random_logits,
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
                            to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
@@ -35,18 +33,6 @@ DISTILL_CASES = {
     "v5003-k16-topk-t2": ((3, 5003), 16, "topk", 2.0),
     "v40009-k64-full-t2": ((1, 2, BIG_V), 64, "full", 2.0),
 }
-
-
-@pytest.fixture(params=["rows", "split"])
-def path(request, monkeypatch):
-    return force_path(request.param, monkeypatch)
-
-
-def force_path(name, monkeypatch):
-    """Forces the fused row path (1 SM: rows >= programs wanted) or the split path."""
-    monkeypatch.setattr(_triton_jax, "num_sms", lambda: 1 if name == "rows" else 64)
-    monkeypatch.setattr(torch_ref._launch, "num_sms", lambda t: 1 if name == "rows" else 64)
-    return name
 
 
 def make_labels(seed, shape, vocab, frac_ignored=0.3):

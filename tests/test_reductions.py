@@ -12,11 +12,10 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-import torch_ref._launch
 from jax_fusedloss import _triton_jax
 from jax_fusedloss.kernels import launch as launch_cfg
 from jax_fusedloss.kernels import reductions as red_kernels
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, random_logits,
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
                            to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
@@ -29,18 +28,6 @@ OPS = {"lse": ("lse",), "entropy": ("ent",), "logprobs": ("logp",), "both": ("lo
 # The split path is a Triton launch choice: "xla" runs once.
 IMPL_PATHS = [("triton", "rows"), ("triton", "split"), ("torch_ref", "rows"),
               ("torch_ref", "split"), ("xla", "rows")]
-
-
-def force_path(name, monkeypatch):
-    """Forces the fused row path (1 SM: rows >= programs wanted) or the split path."""
-    monkeypatch.setattr(_triton_jax, "num_sms", lambda: 1 if name == "rows" else 64)
-    monkeypatch.setattr(torch_ref._launch, "num_sms", lambda t: 1 if name == "rows" else 64)
-    return name
-
-
-@pytest.fixture(params=["rows", "split"])
-def path(request, monkeypatch):
-    return force_path(request.param, monkeypatch)
 
 
 def make_labels(seed, shape, vocab):
