@@ -25,7 +25,8 @@ _INTERPRET_LOCK = threading.Lock()  # the interpreter is not thread-safe
 def on_cuda_gpu() -> bool:
     """True when JAX's default backend is a CUDA GPU (where the compiled path runs)."""
     try:
-        return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+        version = jax.devices()[0].client.platform_version.lower()
+        return jax.default_backend() == "gpu" and "cuda" in version
     except Exception:  # noqa: BLE001 - any failure to query means no CUDA GPU
         return jax.default_backend() == "gpu"
 

@@ -24,9 +24,9 @@ class CEOptions(NamedTuple):
 # ----------------------------------------------------------------------------- Triton launches
 def _kernels():
     from jax_fusedloss.kernels import cross_entropy as k
-    from jax_fusedloss.kernels.launch import row_config
+    from jax_fusedloss.kernels import launch
 
-    return k, row_config
+    return k, launch
 
 
 def _flags(opts: CEOptions) -> dict:
@@ -35,12 +35,12 @@ def _flags(opts: CEOptions) -> dict:
 
 def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
     """Per-row (loss, lse, coef) and, if write_grad, the unit-cotangent gradient."""
-    k, row_config = _kernels()
+    k, launch = _kernels()
     f32 = jnp.float32
 
     def body(x, y, row_scale):
         n, vocab = x.shape
-        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
+        cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
         softcap = float(opts.softcap or 1.0)
         row_outs = [jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n,), f32),
                     jax.ShapeDtypeStruct((n, 3), f32)]
@@ -65,7 +65,7 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
             k.ce_merge_kernel, grid=(n,), inputs=[part, y, row_scale],
             scalars=[vocab, opts.ignore_index, opts.smoothing, opts.z_loss], out_shapes=row_outs,
             num_warps=1,
-            constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
+            constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=launch.merge_block(cfg.num_splits),
                             HAS_SMOOTHING=opts.smoothing > 0, HAS_ZLOSS=opts.z_loss > 0))
         if not write_grad:
             return loss, lse, coef
@@ -75,9 +75,9 @@ def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
 
 
 def _triton_rows_bwd_body(x, y, lse, coef, opts: CEOptions):
-    k, row_config = _kernels()
+    k, launch = _kernels()
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad=True)
+    cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad=True)
     (grad,) = _triton_jax.launch(
         k.ce_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, y, lse, coef],
         scalars=[vocab, vocab, float(opts.softcap or 1.0)],
@@ -94,16 +94,14 @@ def _triton_rows_bwd(x, y, lse, coef, opts: CEOptions):
 
 def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
     """grad * cot[:, None] in place (rows with cot == 1 are skipped) through a Triton kernel."""
-    from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
-    from jax_fusedloss.kernels.launch import vocab_align
+    k, launch = _kernels()
 
     def body(grad, cot):
         n, vocab = grad.shape
-        block = min(1 << (vocab - 1).bit_length(), 16384 // grad.dtype.itemsize)
         return _triton_jax.launch(
-            scale_rows_kernel, grid=(n,), inputs=[grad, cot], scalars=[vocab],
+            k.scale_rows_kernel, grid=(n,), inputs=[grad, cot], scalars=[vocab],
             out_shapes=[jax.ShapeDtypeStruct(grad.shape, grad.dtype)], num_warps=8,
-            constexprs=dict(BLOCK_V=block, ALIGN=vocab_align(vocab)),
+            constexprs=launch.scale_rows_constexprs(vocab, grad.dtype.itemsize),
             input_output_aliases={0: 0})
 
     return _triton_jax.rowwise(body)(grad, cot)[0]

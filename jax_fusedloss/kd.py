@@ -31,7 +31,7 @@ class KDOptions(NamedTuple):
 def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
     """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient."""
     from jax_fusedloss.kernels import kd as k
-    from jax_fusedloss.kernels.launch import row_config
+    from jax_fusedloss.kernels.launch import merge_block, row_config
 
     f32 = jnp.float32
     inv_temp = 1.0 / opts.temperature
@@ -58,7 +58,7 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                         jax.ShapeDtypeStruct((n, vocab) if write_here else (1,), x.dtype)],
             num_warps=cfg.num_warps if fused else 4,
             constexprs=dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
-                            BLOCK_S=max(2, 1 << (splits - 1).bit_length()), FROM_PARTS=splits > 1,
+                            BLOCK_S=merge_block(splits), FROM_PARTS=splits > 1,
                             WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
         if not write_grad:
             return loss, stats

@@ -32,6 +32,8 @@ def _flags(opts: RedOptions, has_label: bool) -> dict:
 
 def _triton_rows_fwd(x, y, opts: RedOptions):
     """Per-row (lse, entropy or None, logp or None) through red_fwd_kernel (+ merge kernel)."""
+    from jax_fusedloss.kernels.launch import merge_block
+
     f32 = jnp.float32
     has_label = y is not None
 
@@ -59,7 +61,7 @@ def _triton_rows_fwd(x, y, opts: RedOptions):
             outs = _triton_jax.launch(
                 k.red_merge_kernel, grid=(n,), inputs=[part, labels], scalars=[vocab],
                 out_shapes=outs, num_warps=1,
-                constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits),
+                constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
                                 **_flags(opts, has_label)))
         return tuple(o for o, want in zip(outs, (True, opts.entropy, has_label)) if want)
 

@@ -6,7 +6,7 @@ distill_loss at T = 1 (shared statistics) and T != 1; fused row path with and wi
 gradient, split path (partials, merge, backward); K = 1, 64 and 128.
 """
 from jax_fusedloss.kernels.kd import bwd_constexprs, kd_constexprs, needs_vocab_pass
-from jax_fusedloss.kernels.launch import row_config
+from jax_fusedloss.kernels.launch import merge_block, row_config
 
 M = "jax_fusedloss.kernels.kd"
 V = 128256
@@ -40,7 +40,7 @@ for dt, itemsize in (("bf16", 2), ("fp16", 2), ("fp32", 4)):
                      CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"]), split.num_warps))
         SPECS.append((M, "kd_fwd_kernel", _fwd_sig(dt), dict(
             BLOCK_V=split.block_v, NUM_SPLITS=split.num_splits,
-            BLOCK_S=max(2, 1 << (split.num_splits - 1).bit_length()),
+            BLOCK_S=merge_block(split.num_splits),
             FROM_PARTS=needs_vocab_pass(flags), WRITE_GRAD=False, ALIGN=8, **flags), 4))
         SPECS.append((M, "kd_bwd_kernel", dict(
             logits_ptr=f"*{dt}", ids_ptr="*i32", logprobs_ptr="*fp32", labels_ptr="*i32",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import cross_entropy as k
-from jax_fusedloss.kernels.launch import row_config, vocab_align
+from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from torch_ref import _launch
 from torch_ref._launch import launch
 
@@ -31,7 +31,7 @@ def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
            dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
     launch(k.ce_merge_kernel, (n,), [part, y, row_scale],
            [vocab, ignore_index, smoothing, z_loss], [loss, lse, coef], 1,
-           dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, 1 << (cfg.num_splits - 1).bit_length()),
+           dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
                 HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
     if write_grad:
         grad = _bwd(x, y, lse, coef, softcap)
@@ -46,6 +46,14 @@ def _bwd(x, y, lse, coef, softcap):
            [vocab, x.stride(0), float(softcap or 1.0)], [grad], cfg.num_warps,
            dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
                 HAS_SOFTCAP=softcap is not None))
+    return grad
+
+
+def scale_rows_(grad: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
+    """grad[i] *= cot[i] in place through scale_rows_kernel (rows with cot == 1 untouched)."""
+    n, vocab = grad.shape
+    launch(k.scale_rows_kernel, (n,), [grad, cot.float().contiguous()], [vocab], [grad], 8,
+           scale_rows_constexprs(vocab, grad.element_size()))
     return grad
 
 
@@ -78,10 +86,7 @@ class _CrossEntropy(torch.autograd.Function):
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
         if len(saved) == 1:
             (grad,) = saved
-            vocab = grad.shape[1]
-            block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
-            launch(k.scale_rows_kernel, (n,), [grad, cot.contiguous()], [vocab], [grad], 8,
-                   dict(BLOCK_V=block, ALIGN=vocab_align(vocab)))
+            scale_rows_(grad, cot)
         else:
             x, y, lse, coef = saved
             coef = coef * cot[:, None]

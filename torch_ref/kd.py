@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import kd as k
-from jax_fusedloss.kernels.cross_entropy import scale_rows_kernel
-from jax_fusedloss.kernels.launch import row_config, vocab_align
+from jax_fusedloss.kernels.launch import merge_block, row_config
 from torch_ref import _launch
 from torch_ref._launch import launch
-from torch_ref.cross_entropy import cross_entropy_reference
+from torch_ref.cross_entropy import cross_entropy_reference, scale_rows_
 
 
 def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
@@ -35,7 +34,7 @@ def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_inde
            [loss, stats, grad if write_here else torch.empty(1, dtype=x.dtype, device=x.device)],
            cfg.num_warps if fused else 4,
            dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
-                BLOCK_S=max(2, 1 << (splits - 1).bit_length()), FROM_PARTS=splits > 1,
+                BLOCK_S=merge_block(splits), FROM_PARTS=splits > 1,
                 WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
     if write_grad and not fused:
         launch(k.kd_bwd_kernel, (n, cfg.num_splits), [x, ids, lp, y, stats], scalars, [grad],
@@ -62,10 +61,7 @@ class _KD(torch.autograd.Function):
         cot = (g.reshape(-1) if ctx.reduction == "none" else g.expand(n)).float().contiguous()
         # The forward wrote the gradient for a unit cotangent: rescale rows whose cotangent is
         # not 1, in place.
-        vocab = grad.shape[1]
-        block = min(1 << (vocab - 1).bit_length(), 16384 // grad.element_size())
-        launch(scale_rows_kernel, (n,), [grad, cot], [vocab], [grad], 8,
-               dict(BLOCK_V=block, ALIGN=vocab_align(vocab)))
+        scale_rows_(grad, cot)
         return (grad.reshape(ctx.shape),) + (None,) * 10
 
 

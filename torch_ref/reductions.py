@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import reductions as k
+from jax_fusedloss.kernels.launch import merge_block
 from torch_ref import _launch
 from torch_ref._launch import launch
 
@@ -39,7 +40,7 @@ def _fwd(x, y, inv_temp, want_entropy):
                dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
                     **flags))
         launch(k.red_merge_kernel, (n,), [part, labels], [vocab], outs, 1,
-               dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=k.merge_block(cfg.num_splits), **flags))
+               dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits), **flags))
     lse, ent, logp = outs
     return lse, ent if want_entropy else None, logp if has_label else None
 

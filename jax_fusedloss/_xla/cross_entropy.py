@@ -1,4 +1,4 @@
-"""Chunked pure-JAX cross-entropy: the same per-row statistics and gradient as the Triton kernels."""
+"""Chunked pure-JAX cross-entropy: the per-row statistics and gradient of the Triton kernels."""
 from __future__ import annotations
 
 import jax

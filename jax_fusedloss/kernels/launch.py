@@ -64,3 +64,14 @@ def vocab_align(*sizes: int) -> int:
     while align > 1 and any(size % align for size in sizes):
         align //= 2
     return align
+
+
+def merge_block(num_splits: int) -> int:
+    """BLOCK_S of a merge kernel: the split count rounded up to a power of two (at least 2)."""
+    return max(2, triton.next_power_of_2(num_splits))
+
+
+def scale_rows_constexprs(vocab: int, itemsize: int) -> dict:
+    """Constexprs of scale_rows_kernel: 16 KiB tiles (a pure streaming pass), vector hint."""
+    return dict(BLOCK_V=min(triton.next_power_of_2(vocab), 16384 // itemsize),
+                ALIGN=vocab_align(vocab))

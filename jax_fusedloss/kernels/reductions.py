@@ -213,8 +213,3 @@ def reduction_config(n_rows: int, vocab: int, itemsize: int, num_sms: int,
     """Launch configuration: the shared row/split heuristic (row path when num_splits == 1);
     `write_grad` for the backward, which writes a gradient as it reads the logits."""
     return row_config(n_rows, vocab, itemsize, num_sms, write_grad)
-
-
-def merge_block(num_splits: int) -> int:
-    """BLOCK_S of red_merge_kernel: the splits rounded up to a power of two (at least 2)."""
-    return max(2, triton.next_power_of_2(num_splits))
