@@ -12,10 +12,11 @@ DEFAULT_NUM_SMS = 132  # H100 SXM / H200; used on the CPU interpreter, where the
 PROGRAMS_PER_SM = 2
 # Once rows are split, few rows are latency-bound rather than bandwidth-bound: aim for more,
 # shorter programs (about one or two tiles each at N = 8..64, V = 128K) so that many loads
-# are in flight at once.
+# are in flight at once. CUPTI on H100 (bf16, V=128256): logsumexp 3.1 / 3.6 / 8.4 us of
+# kernel time at N = 1 / 8 / 64 (benchmarks/results/kernel_time.csv).
 SPLIT_PROGRAMS_PER_SM = 8
-# A pass that also writes the gradient re-reads each row: 64 KiB tiles with 32 warps keep the
-# most bytes in flight per SM. Measured on H100 at N=8192, V=128256 (2026-11-22): bf16 fused
+# A pass that also writes the gradient re-reads each row: 16384-element tiles (32 KiB bf16,
+# 64 KiB fp32) with 32 warps keep the most bytes in flight per SM. Measured on H100 at N=8192, V=128256 (2026-11-22): bf16 fused
 # fwd+grad 2.07 ms with 16384-element tiles and 32 warps vs 2.14 ms with 8192 and 16 warps; fp32
 # 3.56 vs 3.88 ms. Forward-only passes were fastest with 4096-element tiles and 8 warps (bf16
 # 0.710 ms = copy floor; fp32 1.370 ms vs 1.351 best).
