@@ -67,6 +67,21 @@ def dispatch(impls: Mapping[str, Callable], implementation: str | None, *args, *
     raise AssertionError("unreachable")
 
 
+def dispatch_op(op: Callable, implementation: str | None, *arrays, opts):
+    """dispatch() for an op `op(*arrays, opts)` whose options carry an `implementation` field:
+    each candidate runs op with that field set, the Triton one only where it can run."""
+
+    def bind(name: str) -> Callable:
+        def run():
+            if name == "triton":
+                _triton_jax.check_triton_available()
+            return op(*arrays, opts._replace(implementation=name))
+
+        return run
+
+    return dispatch({name: bind(name) for name in IMPLEMENTATIONS}, implementation)
+
+
 def flatten_rows(x: jax.Array) -> jax.Array:
     """[..., V] -> [N, V] (a free reshape for contiguous JAX arrays)."""
     return x.reshape(-1, x.shape[-1])

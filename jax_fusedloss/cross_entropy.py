@@ -173,15 +173,6 @@ def _ce_bwd(opts: CEOptions, res, cts):
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
-def _impl(name: str):
-    def run(x, y, opts: CEOptions):
-        if name == "triton":
-            _triton_jax.check_triton_available()
-        return _ce(x, y, opts._replace(implementation=name))
-
-    return run
-
-
 # ----------------------------------------------------------------------------- public API
 def cross_entropy(
     logits: jax.Array,
@@ -262,8 +253,7 @@ def cross_entropy(
     if x.shape[0] == 0:
         loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
-    loss, lse = _common.dispatch(impls, implementation, x, y, opts)
+    loss, lse = _common.dispatch_op(_ce, implementation, x, y, opts=opts)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

@@ -125,19 +125,9 @@ def _kd_bwd(opts: KDOptions, res, g):
 _kd.defvjp(_kd_fwd, _kd_bwd)
 
 
-def _impl(name: str):
-    def run(x, ids, lp, y, row_scale, opts: KDOptions):
-        if name == "triton":
-            _triton_jax.check_triton_available()
-        return _kd(x, ids, lp, y, row_scale, opts._replace(implementation=name))
-
-    return run
-
-
 def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
     """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row."""
-    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
-    return _common.dispatch(impls, implementation, x, ids, lp, y, row_scale, opts)
+    return _common.dispatch_op(_kd, implementation, x, ids, lp, y, row_scale, opts=opts)
 
 
 # ----------------------------------------------------------------------------- validation

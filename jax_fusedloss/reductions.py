@@ -129,15 +129,6 @@ def _rows_bwd(opts: RedOptions, res: _Residuals, cts):
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _impl(name: str):
-    def run(x, y, opts: RedOptions):
-        if name == "triton":
-            _triton_jax.check_triton_available()
-        return _rows(x, y, opts._replace(implementation=name))
-
-    return run
-
-
 def _compute(logits, labels, temperature, entropy: bool, implementation):
     """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
     _common.check_logits(logits)
@@ -157,8 +148,7 @@ def _compute(logits, labels, temperature, entropy: bool, implementation):
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
     opts = RedOptions(temperature, entropy, "")
-    impls = {name: _impl(name) for name in _common.IMPLEMENTATIONS}
-    outs = _common.dispatch(impls, implementation, x, y, opts)
+    outs = _common.dispatch_op(_rows, implementation, x, y, opts=opts)
     return tuple(None if o is None else o.reshape(lead) for o in outs)
 
 

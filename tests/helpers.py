@@ -54,6 +54,19 @@ def assert_grad_close(actual, expected, dtype: str, what: str = "grad") -> None:
                  what=what)
 
 
+def compiler_env(**extra: str) -> dict:
+    """Environment for a child process that runs the real Triton compiler: no interpreter,
+    fp fusion stated (Triton 3.9 warns otherwise), the repository importable."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
 def force_path(name: str, monkeypatch) -> str:
     """Forces the launch heuristic onto the fused row path ("rows": 1 SM, so every batch has
     enough rows) or the two-level split path ("split": 64 SMs, so small batches split)."""

@@ -3,13 +3,12 @@ import os
 import subprocess
 import sys
 
+from tests.helpers import compiler_env
+
 
 def test_all_kernels_compile_for_sm90(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, os.path.join(root, "tests", "sm90_compile.py")],
-                          env=env, capture_output=True, text=True, timeout=1200)
+    env = compiler_env(TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sm90_compile.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

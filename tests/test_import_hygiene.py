@@ -1,8 +1,9 @@
 """`import jax_fusedloss` works without a GPU and leaves Triton usable in the same process."""
-import os
 import subprocess
 import sys
 import textwrap
+
+from tests.helpers import compiler_env
 
 SCRIPT = textwrap.dedent("""
     import os
@@ -30,11 +31,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_import_keeps_triton_usable(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CHECK_CACHE_DIR"] = str(tmp_path / "cache")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = compiler_env(CHECK_CACHE_DIR=str(tmp_path / "cache"))
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
