@@ -54,6 +54,27 @@ def assert_grad_close(actual, expected, dtype: str, what: str = "grad") -> None:
                  what=what)
 
 
+def check_transformations(f, *args) -> None:
+    """f(*args[b]) for each b of the leading axis against vmap, jit(vmap(grad)), checkpoint and
+    a lax.scan carrying value_and_grad; gradients are w.r.t. the first argument."""
+    n = args[0].shape[0]
+    direct = jnp.stack([jax.jit(f)(*(a[b] for a in args)) for b in range(n)])
+    grads = jnp.stack([jax.jit(jax.grad(f))(*(a[b] for a in args)) for b in range(n)])
+    assert_close(jax.vmap(f)(*args), direct, rtol=1e-6, what="vmap")
+    assert_close(jax.jit(jax.vmap(jax.grad(f)))(*args), grads, rtol=1e-2, atol=1e-6,
+                 what="vmap(grad)")
+    assert_close(jax.jit(jax.grad(jax.checkpoint(f)))(*(a[0] for a in args)), grads[0],
+                 rtol=1e-2, atol=1e-6, what="checkpoint")
+
+    def step(carry, xs):
+        val, g = jax.value_and_grad(f)(*xs)
+        return carry + val, g
+
+    total, scan_grads = jax.jit(lambda *a: jax.lax.scan(step, 0.0, a))(*args)
+    assert_close(total, direct.sum(), rtol=1e-6, what="scan value")
+    assert_close(scan_grads, grads, rtol=1e-2, atol=1e-6, what="scan grads")
+
+
 def compiler_env(**extra: str) -> dict:
     """Environment for a child process that runs the real Triton compiler: no interpreter,
     fp fusion stated (Triton 3.9 warns otherwise), the repository importable."""

@@ -12,8 +12,8 @@ import torch
 import jax_fusedloss
 import torch_ref
 from jax_fusedloss import _triton_jax
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
-                           to_numpy, to_torch)
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, check_transformations,
+                           force_path, random_logits, to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -179,21 +179,7 @@ def test_transformations(impl, interpreter):
     logits = random_logits(17, (3, 4, 260), "bfloat16")
     labels = make_labels(18, (3, 4), 260)
     ce = lambda x, y: jax_fusedloss.cross_entropy(x, y, z_loss=1e-3, implementation=impl)
-    direct = jnp.stack([ce(logits[i], labels[i]) for i in range(3)])
-    grads = jnp.stack([jax.grad(ce)(logits[i], labels[i]) for i in range(3)])
-    assert_close(jax.vmap(ce)(logits, labels), direct, rtol=1e-6, what="vmap")
-    assert_close(jax.jit(jax.vmap(jax.grad(ce)))(logits, labels), grads, rtol=1e-2, atol=1e-6,
-                 what="vmap(grad)")
-    assert_close(jax.grad(jax.checkpoint(ce))(logits[0], labels[0]), grads[0], rtol=1e-2,
-                 atol=1e-6, what="checkpoint")
-
-    def step(c, xy):
-        val, g = jax.value_and_grad(ce)(*xy)
-        return c + val, g
-
-    total, scan_grads = jax.jit(lambda x, y: jax.lax.scan(step, 0.0, (x, y)))(logits, labels)
-    assert_close(total, direct.sum(), rtol=1e-6, what="scan value")
-    assert_close(scan_grads, grads, rtol=1e-2, atol=1e-6, what="scan grads")
+    check_transformations(ce, logits, labels)
     per_tok = jax.vmap(lambda x, y: jax_fusedloss.cross_entropy(
         x, y, reduction="none", implementation=impl))(logits, labels)
     assert per_tok.shape == (3, 4) and per_tok.dtype == jnp.float32

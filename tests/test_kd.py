@@ -10,8 +10,8 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
-                           to_numpy, to_torch)
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, check_transformations,
+                           force_path, random_logits, to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
 # The split path is a Triton launch choice: "xla" runs once.
@@ -347,22 +347,7 @@ def test_transformations(impl, fn, interpreter):
         return jax_fusedloss.distill_loss(x, y, i, p, m, alpha=0.5, temperature=2.0,
                                           implementation=impl)
 
-    args = (logits, labels, ids, lp, mask)
-    direct = jnp.stack([jax.jit(loss)(*(a[b] for a in args)) for b in range(2)])
-    grads = jnp.stack([jax.jit(jax.grad(loss))(*(a[b] for a in args)) for b in range(2)])
-    assert_close(jax.vmap(loss)(*args), direct, rtol=1e-6, what="vmap")
-    assert_close(jax.jit(jax.vmap(jax.grad(loss)))(*args), grads, rtol=1e-2, atol=1e-6,
-                 what="vmap(grad)")
-    assert_close(jax.jit(jax.grad(jax.checkpoint(loss)))(*(a[0] for a in args)), grads[0],
-                 rtol=1e-2, atol=1e-6, what="checkpoint")
-
-    def step(c, xs):
-        val, g = jax.value_and_grad(loss)(*xs)
-        return c + val, g
-
-    total, scan_grads = jax.jit(lambda *a: jax.lax.scan(step, 0.0, a))(*args)
-    assert_close(total, direct.sum(), rtol=1e-6, what="scan value")
-    assert_close(scan_grads, grads, rtol=1e-2, atol=1e-6, what="scan grads")
+    check_transformations(loss, logits, labels, ids, lp, mask)
 
 
 def _bad(shape=(4, 10), ids_shape=(4, 3), ids_dtype=jnp.int32, lp_shape=None,

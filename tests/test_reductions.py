@@ -15,8 +15,8 @@ import torch_ref
 from jax_fusedloss import _triton_jax
 from jax_fusedloss.kernels import launch as launch_cfg
 from jax_fusedloss.kernels import reductions as red_kernels
-from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path, random_logits,
-                           to_numpy, to_torch)
+from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, check_transformations,
+                           force_path, random_logits, to_numpy, to_torch)
 
 IMPLS = ["triton", "xla", "torch_ref"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -218,22 +218,7 @@ def test_transformations(impl, interpreter):
                                                  implementation=impl)
         return jnp.sum(logp * jnp.arange(4.0)) + jnp.sum(ent)
 
-    f_jit, grad_jit = jax.jit(f), jax.jit(jax.grad(f))
-    direct = jnp.stack([f_jit(logits[i], labels[i]) for i in range(3)])
-    grads = jnp.stack([grad_jit(logits[i], labels[i]) for i in range(3)])
-    assert_close(jax.vmap(f)(logits, labels), direct, rtol=1e-6, what="vmap")
-    assert_close(jax.jit(jax.vmap(jax.grad(f)))(logits, labels), grads, rtol=1e-2, atol=1e-6,
-                 what="vmap(grad)")
-    assert_close(jax.grad(jax.checkpoint(f))(logits[0], labels[0]), grads[0], rtol=1e-2,
-                 atol=1e-6, what="checkpoint")
-
-    def step(c, xy):
-        val, g = jax.value_and_grad(f)(*xy)
-        return c + val, g
-
-    total, scan_grads = jax.jit(lambda x, y: jax.lax.scan(step, 0.0, (x, y)))(logits, labels)
-    assert_close(total, direct.sum(), rtol=1e-6, what="scan value")
-    assert_close(scan_grads, grads, rtol=1e-2, atol=1e-6, what="scan grads")
+    check_transformations(f, logits, labels)
     lse = jax.vmap(functools.partial(jax_fusedloss.logsumexp, implementation=impl))(logits)
     assert lse.shape == (3, 4) and lse.dtype == jnp.float32
 
