@@ -36,7 +36,7 @@ def check(rows: list[dict]) -> list[str]:
                      f"(target <= {CE_FLOOR_RATIO}): {_verdict(ratio <= CE_FLOOR_RATIO)}")
         others = [b for b in ce if not b["impl"].startswith(("jax_fusedloss", "torch_ref"))]
         slower = [b for b in others if b["median_ms"] <= r["median_ms"]]
-        lines.append(f"cross_entropy fwd_bwd faster than every baseline ("
+        lines.append("cross_entropy fwd_bwd faster than every baseline ("
                      + ", ".join(f"{b['impl']} {b['median_ms']:.3g} ms" for b in others)
                      + f"; ours {r['median_ms']:.3g} ms): "
                      + (_verdict(not slower) if others else "no baseline rows"))

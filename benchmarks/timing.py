@@ -176,7 +176,7 @@ def copy_bandwidth_torch(nbytes: int, cuda: bool, smoke: bool = False) -> float:
     dst = torch.empty_like(src)
     stats = time_torch(lambda: dst.copy_(src), 1, 0, cuda, smoke)
     moved = 2 * src.numel() * src.element_size()
-    del src, dst
+    src = dst = None  # free before empty_cache (the lambda is done with them)
     if cuda:
         torch.cuda.empty_cache()
     return moved / (stats.median_ms * 1e-3)

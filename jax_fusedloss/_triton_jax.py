@@ -6,11 +6,14 @@ in the environment before triton is first imported. Kernels are always launched 
 `kernel(*inputs, *scalars, *outputs, **constexprs)`.
 
 Import hygiene: nothing here imports triton, torch or jax_triton at module import; jax_triton
-0.3.1 blanks TRITON_CACHE_DIR when imported, so we restore it right after.
+0.3.1 blanks TRITON_CACHE_DIR when imported, so we restore it right after. All three are
+optional dependencies: the base package runs the XLA twin with jax alone. When one is missing,
+`check_triton_available` raises `MissingDependencyError`, which names the extra to install.
 """
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import threading
 from typing import Any, Callable, Sequence
@@ -20,6 +23,29 @@ import jax.numpy as jnp
 import numpy as np
 
 _INTERPRET_LOCK = threading.Lock()  # the interpreter is not thread-safe
+
+_GPU_EXTRA = 'pip install "jax-fusedloss[gpu]"'
+_TORCH_EXTRA = 'pip install "jax-fusedloss[torch]"'
+
+
+class MissingDependencyError(NotImplementedError, ImportError):
+    """An optional dependency of implementation="triton" is not installed.
+
+    An ImportError for the user who forced implementation="triton", and a NotImplementedError
+    for the dispatcher, which then falls through to the XLA twin when implementation=None.
+    """
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _require(modules: Sequence[str], why: str, extra: str) -> None:
+    missing = [m for m in modules if not _installed(m)]
+    if missing:
+        raise MissingDependencyError(
+            f'implementation="triton" {why} needs '
+            f'{" and ".join(m.replace("_", "-") for m in missing)}: {extra}')
 
 
 def on_cuda_gpu() -> bool:
@@ -45,9 +71,16 @@ def num_sms() -> int:
 
 
 def check_triton_available() -> None:
-    """Raises NotImplementedError when the "triton" implementation cannot run in this process."""
+    """Raises NotImplementedError when the "triton" implementation cannot run in this process.
+
+    A missing optional dependency raises `MissingDependencyError` (both a NotImplementedError
+    and an ImportError) with the pip command that installs it.
+    """
     if on_cuda_gpu():
+        _require(("triton", "jax_triton"), "on a CUDA GPU", _GPU_EXTRA)
         return
+    _require(("triton", "torch"), "without a CUDA GPU (Triton's interpreter)",
+             f'{_TORCH_EXTRA} (or "jax-fusedloss[gpu]" on a CUDA GPU)')
     if not interpreter_enabled():
         raise NotImplementedError(
             'implementation="triton" needs a CUDA GPU, or Triton\'s interpreter on other '
@@ -60,6 +93,11 @@ def _jax_triton():
     saved = os.environ.get("TRITON_CACHE_DIR")
     try:
         import jax_triton
+    except ModuleNotFoundError as e:
+        if e.name != "jax_triton":
+            raise
+        raise MissingDependencyError(
+            f'implementation="triton" on a CUDA GPU needs jax-triton: {_GPU_EXTRA}') from e
     finally:
         if saved is None:
             os.environ.pop("TRITON_CACHE_DIR", None)
