@@ -8,12 +8,17 @@ latest row of every case on one device (the most recent device unless --device p
 and writes RESULTS_DIR/table.md and RESULTS_DIR/*.png; with --readme it also rewrites the
 block between `<!-- bench:start -->` and `<!-- bench:end -->` in the README. No number in
 those outputs is typed by hand.
+
+The published results (benchmarks/results and the README block) take GPU rows only: rows
+whose device column is "cpu" (the `--cpu-smoke` run) are refused there before anything is
+written; give them another `--results-dir` (e.g. out/bench_cpu_smoke/results) to draw them.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +29,26 @@ BEGIN, END = "<!-- bench:start -->", "<!-- bench:end -->"
 OURS = ("jax_fusedloss", "torch_ref")
 CASE_KEY = ("op", "impl", "mode", "n", "v", "k", "dtype")
 PROBLEM_KEY = ("op", "mode", "n", "v", "k", "dtype")
+TARGETS_HEADING = "Benchmark targets we track"
+
+
+class NotGpuRowsError(ValueError):
+    """Rows that are not from a GPU run were headed for the published results."""
+
+
+def is_gpu_row(row: dict) -> bool:
+    """True for a row measured on a GPU (the runner writes device "cpu" otherwise)."""
+    return str(row["device"]).strip().lower() not in ("", "cpu")
+
+
+def check_gpu_rows(rows: list[dict], where: str) -> None:
+    """Raises NotGpuRowsError naming `where` when any row is not from a GPU run."""
+    bad = sorted({str(r["device"]) or "(empty)" for r in rows if not is_gpu_row(r)})
+    if bad:
+        raise NotGpuRowsError(
+            f"{where} take GPU runs only; {sum(not is_gpu_row(r) for r in rows)} rows have device "
+            f"{', '.join(bad)}. Nothing was written. Draw them elsewhere with "
+            "--results-dir out/<name> and without --readme.")
 
 
 # ----------------------------------------------------------------------------- rows
@@ -137,8 +162,8 @@ def summary_text(rows: list[dict], max_problems: int = 40) -> str:
     """The stdout summary, most important last (a console often keeps only the tail).
 
     Every problem in one line (our rows against the best baseline; left to table.md when
-    there are more than `max_problems`), then the target shapes in full, then the issue's
-    targets checked.
+    there are more than `max_problems`), then the target shapes in full, then the benchmark
+    targets we track, checked.
     """
     if not rows:
         return "[report] no rows"
@@ -173,7 +198,7 @@ def summary_text(rows: list[dict], max_problems: int = 40) -> str:
                          f"{r['p20_ms']:>10.4g}-{r['p80_ms']:<9.4g}"
                          f"{r['median_ms'] / r['floor_ms']:>9.2f}{speed:>9}"
                          f"{_gib(r['peak_bytes']):>10}{_mib(beyond_logits(r)):>12}")
-    lines += ["", "== Targets of the issue =="] + [f"  {t}" for t in targets.check(rows)]
+    lines += ["", f"== {TARGETS_HEADING} =="] + [f"  {t}" for t in targets.check(rows)]
     return "\n".join(lines)
 
 
@@ -185,7 +210,7 @@ def markdown(rows: list[dict], full: bool = True, plots: list[str] = (),
     if not rows:
         return "_No benchmark rows yet._\n"
     problems = _problems(rows)
-    out = ["Targets of the issue, checked against these rows:", ""]
+    out = [f"{TARGETS_HEADING}, checked against these rows:", ""]
     out += [f"- {t}" for t in targets.check(rows)]
     head = ["", "| problem | impl | median ms (p20-p80) | x floor | speedup vs best baseline "
             "| peak GiB |", "|---|---|---|---|---|---|"]
@@ -344,16 +369,28 @@ def draw(rows: list[dict], out_dir: Path, source: str = "benchmarks/results/resu
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="*", type=Path, help="run CSVs (DIR/bench.csv) to merge first")
-    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("runs", nargs="*", type=Path,
+                    help="run CSVs (DIR/bench.csv) to append to RESULTS_DIR/results.csv first")
+    ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                    help="where results.csv, table.md and the plots live (default: the "
+                         "published GPU results, which refuse CPU rows)")
     ap.add_argument("--readme", nargs="?", type=Path, const=RESULTS_DIR.parent.parent / "README.md",
-                    default=None, help="rewrite the bench block of this README")
+                    default=None, help="rewrite the bench block of this README (GPU rows only)")
     ap.add_argument("--device", default=None, help="plot this device (default: the newest run's)")
     args = ap.parse_args(argv)
     results = args.results_dir / "results.csv"
-    if args.runs:
-        print(f"[report] {append_results(args.runs, results)} new rows appended to {results}")
-    rows = latest(read_rows(results), args.device)
+    published = args.results_dir.resolve() == RESULTS_DIR.resolve()
+    try:
+        for path in args.runs if published or args.readme else ():
+            check_gpu_rows(read_rows(path), f"{path}: benchmarks/results and the README")
+        if args.runs:
+            print(f"[report] {append_results(args.runs, results)} new rows appended to {results}")
+        rows = latest(read_rows(results), args.device)
+        if args.readme:
+            check_gpu_rows(rows, f"{results}: the README's benchmark block")
+    except NotGpuRowsError as e:
+        print(f"[report] refused: {e}", file=sys.stderr)
+        return 2
     root = RESULTS_DIR.parent.parent
     source = (results.resolve().relative_to(root) if results.resolve().is_relative_to(root)
               else results)

@@ -1,8 +1,12 @@
 """The benchmark suite in one command.
 
-    python -m benchmarks.run --out DIR [--quick] [--ops cross_entropy,logsumexp,...]
+    python -m benchmarks.run [--out DIR] [--quick] [--ops cross_entropy,logsumexp,...]
                              [--impls ...] [--ns 1,8192] [--vocabs llama3,gemma]
                              [--cross] [--budget-s S] [--cpu-smoke]
+
+It needs a CUDA GPU; without one it says so and stops. `--cpu-smoke` runs tiny shapes on the
+CPU instead, to test the plumbing: its rows (device "cpu") go to out/bench_cpu_smoke by default
+and are never merged into the published results (`benchmarks.report` refuses them).
 
 The parent process builds the grid (`benchmarks.shapes`), then runs two workers one after
 the other, each in its own process so that neither framework's allocator holds memory the
@@ -32,30 +36,58 @@ CSV_NAME = "bench.csv"
 TORCH_SHARE = 0.4  # the PyTorch worker's share of the time budget (it has nothing to compile)
 BANDWIDTH_BYTES = 2 << 30
 JAX_CACHE_DIR = os.environ.get("BENCH_JAX_CACHE", "/tmp/jax_fusedloss_bench_cache")
+DEFAULT_OUT, DEFAULT_SMOKE_OUT = Path("out/bench"), Path("out/bench_cpu_smoke")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.run",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="folder for bench.csv, meta.json and plots")
-    ap.add_argument("--ops", default=",".join(shapes.OPS))
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"folder for bench.csv, meta.json and plots (default {DEFAULT_OUT}, "
+                         f"or {DEFAULT_SMOKE_OUT} with --cpu-smoke)")
+    ap.add_argument("--ops", default=",".join(shapes.OPS),
+                    help="comma-separated ops to time (default: all, i.e. "
+                         f"{', '.join(shapes.OPS)})")
     ap.add_argument("--impls", default="", help="only these implementations (default: all)")
     ap.add_argument("--ns", default="", help="only these token counts")
     ap.add_argument("--vocabs", default="", help="only these vocabularies (names or sizes)")
-    ap.add_argument("--modes", default=",".join(shapes.MODES))
+    ap.add_argument("--modes", default=",".join(shapes.MODES),
+                    help="comma-separated: fwd (the loss alone), fwd_bwd (loss and gradient "
+                         "of the logits); default both")
     ap.add_argument("--quick", action="store_true", help="the reduced grid (< 4 minutes)")
     ap.add_argument("--cross", action="store_true",
                     help="every vocabulary x token count for every op (slow)")
-    ap.add_argument("--frameworks", default="torch,jax")
+    ap.add_argument("--frameworks", default="torch,jax",
+                    help="which workers run: torch (copy bandwidth, torch_ref, PyTorch, "
+                         "Liger-Kernel) and/or jax (jax_fusedloss, optax, plain JAX); "
+                         "default torch,jax")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="stop starting cases after this many seconds (default 230 quick, "
                          "480 full, 120 smoke)")
     ap.add_argument("--cpu-smoke", action="store_true",
-                    help="tiny shapes and CPU-safe implementations: tests the plumbing")
+                    help="tiny shapes and CPU-safe implementations on the CPU: tests the "
+                         "plumbing; the rows are not results and are never published")
     ap.add_argument("--list", action="store_true", help="print the problems and exit")
     ap.add_argument("--worker", choices=("torch", "jax"), help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = DEFAULT_SMOKE_OUT if args.cpu_smoke else DEFAULT_OUT
+    return args
+
+
+def gpu_present() -> bool:
+    """A cheap look for a CUDA GPU before any framework is imported (the NVIDIA device nodes,
+    unless CUDA_VISIBLE_DEVICES hides every device)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+NO_GPU = ("[run] no CUDA GPU found: this suite times GPU-sized shapes (up to 32768 x 256000 "
+          "logits) and would run for many minutes on a CPU. To check the plumbing here, run\n"
+          "    python -m benchmarks.run --cpu-smoke\n"
+          "(tiny shapes, rows written under out/ and never published).")
 
 
 def _csv_list(text: str) -> list[str]:
@@ -315,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tier {p.tier}: {p.op} {p.mode} {p.dtype} N={p.n} V={p.v}"
                   + (f" K={p.k}" if p.k else ""))
         return 0
+    if not args.cpu_smoke and not gpu_present():
+        print(NO_GPU, file=sys.stderr)
+        return 2
+    if args.cpu_smoke and Path(args.out).resolve().is_relative_to(report.RESULTS_DIR):
+        print(f"[run] --out {args.out} is inside the published results {report.RESULTS_DIR}; "
+              "a CPU smoke run writes elsewhere (default out/bench_cpu_smoke)", file=sys.stderr)
+        return 2
     start = time.time()
     budget = args.budget_s or (120.0 if args.cpu_smoke else 230.0 if args.quick else 480.0)
     out = Path(args.out)
@@ -342,8 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CSV is what matters; never lose it to a plot
         rows = []
         print(f"[run] summary failed ({type(e).__name__}: {e}); the CSV is intact")
-    print(f"[run] {len(rows)} rows in {out / CSV_NAME} after {time.time() - start:.0f} s. "
-          f"Merge with: python -m benchmarks.report {out / CSV_NAME} --readme")
+    print(f"[run] {len(rows)} rows in {out / CSV_NAME} after {time.time() - start:.0f} s.")
+    if args.cpu_smoke:
+        print(f"[run] CPU smoke run: tiny shapes that test the plumbing, not results. They stay in "
+              f"{out} (plots and table.md there); the published results and the README take GPU "
+              "runs only.")
+    else:
+        print(f"[run] To publish: python -m benchmarks.report {out / CSV_NAME} --readme "
+              "(appends to benchmarks/results/results.csv and redraws the README block)")
     return 0
 
 

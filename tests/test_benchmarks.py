@@ -74,8 +74,10 @@ def test_one_command_cpu_smoke(tmp_path):
         assert "jax=" in r["versions"] and r["date"].endswith("Z"), r
         if r["impl"] != "torch":  # XLA's buffer assignment holds at least the logits
             assert r["peak_bytes"] >= r["n"] * r["v"] * 2, r
-    assert "== Targets of the issue ==" in proc.stdout
+    assert f"== {report.TARGETS_HEADING} ==" in proc.stdout
     assert (tmp_path / "table.md").read_text().count("cross_entropy") >= 2
+    assert "--readme" not in proc.stdout + proc.stderr  # never suggests publishing CPU rows
+    assert "not results" in proc.stdout and "GPU runs only" in proc.stdout
 
 
 def _row(op, impl, mode, n, v, median_ms, *, date="2026-11-01T00:00:00Z", dtype="bf16",
@@ -157,7 +159,8 @@ def test_target_checks_say_met_or_missed(tmp_path):
     assert "logsumexp fwd N=1 V=128256: 9.0 us (target < 15 us): MET" in lines
     assert "logsumexp fwd N=8 V=128256: 20.0 us (target < 15 us): MISSED" in lines
     assert "bytes per token" in lines
-    assert "Targets of the issue" in report.summary_text(rows)
+    assert report.TARGETS_HEADING in report.summary_text(rows)
+    assert "issue" not in report.summary_text(rows) + report.markdown(rows)
 
 
 def test_missing_op_or_baseline_is_skipped_with_a_note(monkeypatch):
@@ -173,3 +176,58 @@ def test_missing_op_or_baseline_is_skipped_with_a_note(monkeypatch):
     impls, notes = jax_impls.implementations("cross_entropy", "bf16", None, on_gpu=False)
     assert set(impls) == {"jax_fusedloss_xla"}
     assert any("import failed" in n for n in notes), notes
+
+
+def _cpu_csv(path: Path) -> Path:
+    sink = CsvSink(path)
+    sink.write(dict(_row("cross_entropy", "jax_fusedloss_xla", "fwd", 64, 1000, 0.5), device="cpu"))
+    return path
+
+
+def test_report_refuses_cpu_rows_for_the_published_results_and_readme(tmp_path, monkeypatch,
+                                                                      capsys):
+    published = tmp_path / "published"
+    gpu_run = _synthetic_csv(tmp_path / "gpu.csv")
+    monkeypatch.setattr(report, "RESULTS_DIR", published)
+    assert report.main([str(gpu_run)]) == 0
+    before = {p.name: p.read_bytes() for p in published.iterdir()}
+    cpu_run = _cpu_csv(tmp_path / "cpu.csv")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.BEGIN}\nGPU block\n{report.END}\n")
+
+    assert report.main([str(cpu_run)]) == 2  # the published results.csv takes GPU rows only
+    assert "GPU runs only" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere"
+    assert report.main([str(cpu_run), "--results-dir", str(elsewhere), "--readme",
+                        str(readme)]) == 2
+    assert not (elsewhere / "results.csv").exists()
+    assert {p.name: p.read_bytes() for p in published.iterdir()} == before
+    assert readme.read_text() == f"{report.BEGIN}\nGPU block\n{report.END}\n"
+
+    assert report.main([str(cpu_run), "--results-dir", str(elsewhere)]) == 0  # drawn elsewhere
+    assert (elsewhere / "table.md").exists()
+
+
+def test_run_without_a_gpu_points_to_cpu_smoke(tmp_path, monkeypatch, capsys):
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "gpu_present", lambda: False)
+    assert run.main(["--out", str(tmp_path / "bench")]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err and "--cpu-smoke" in err
+    assert not (tmp_path / "bench").exists()
+    inside = report.RESULTS_DIR / "smoke"
+    assert run.main(["--cpu-smoke", "--out", str(inside)]) == 2
+    assert "published results" in capsys.readouterr().err and not inside.exists()
+    assert run.parse_args(["--cpu-smoke"]).out == run.DEFAULT_SMOKE_OUT
+
+
+def test_run_help_describes_every_option(capsys):
+    from benchmarks import run
+
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option, words in (("--ops", "comma-separated ops"), ("--modes", "fwd_bwd (loss"),
+                          ("--frameworks", "which workers run"), ("--cpu-smoke", "plumbing")):
+        assert option in text and words in text, (option, text)
