@@ -1,6 +1,8 @@
 """Validation and implementation dispatch shared by every op (trace-time only)."""
 from __future__ import annotations
 
+import math
+import operator
 from typing import Callable, Mapping
 
 import jax
@@ -80,6 +82,96 @@ def dispatch_op(op: Callable, implementation: str | None, *arrays, opts):
         return run
 
     return dispatch({name: bind(name) for name in IMPLEMENTATIONS}, implementation)
+
+
+def check_axis_name(axis):
+    """vocab_axis: None, a mesh axis name, or a tuple of names (returned as given, hashable)."""
+    if axis is None or isinstance(axis, str):
+        return axis
+    if isinstance(axis, (tuple, list)) and axis and all(isinstance(a, str) for a in axis):
+        return tuple(axis)
+    raise TypeError(f"vocab_axis={axis!r} must be None, a mesh axis name or a tuple of names")
+
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _interval(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
+    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+
+
+def check_static_float(value, name: str, *, lo: float = -math.inf, hi: float = math.inf,
+                       lo_open: bool = False, hi_open: bool = False) -> float:
+    """`value` as a Python float, checked to lie in the interval from lo to hi (open at either
+    end as asked; an infinite end is always open). Raises TypeError naming `name` for a traced
+    value (options shape the kernels at trace time: pass a Python number, or mark the argument
+    static under jit), a bool or a non-number, and ValueError for NaN or a value outside the
+    interval."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python number, got a traced value "
+                        f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
+                        f"float or mark it static, e.g. jax.jit(..., static_argnames=...)")
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be a number, not a bool")
+    try:
+        f = float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}={value!r} must be a Python number") from e
+    lo_open = lo_open or lo == -math.inf
+    hi_open = hi_open or hi == math.inf
+    ok = (f > lo if lo_open else f >= lo) and (f < hi if hi_open else f <= hi)
+    if not ok:  # NaN fails every comparison
+        raise ValueError(f"{name}={value!r} must lie in "
+                         f"{_interval(lo, hi, lo_open, hi_open)}")
+    return f
+
+
+def check_static_int(value, name: str, *, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
+    """`value` as a Python int in [lo, hi] (by default int32's range, which the kernels compare
+    labels in). TypeError naming `name` for a traced value, a bool or a non-integer; ValueError
+    outside the range."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python int, got a traced value "
+                        f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
+                        f"int or mark it static, e.g. jax.jit(..., static_argnames=...)")
+    if isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be an int, not a bool")
+    try:
+        i = operator.index(value)
+    except TypeError as e:
+        raise TypeError(f"{name}={value!r} must be an integer") from e
+    if not lo <= i <= hi:
+        what = " (int32, as the kernels compare labels)" if (lo, hi) == (INT32_MIN,
+                                                                       INT32_MAX) else ""
+        raise ValueError(f"{name}={i} must lie in [{lo}, {hi}]{what}")
+    return i
+
+
+def labels_to_int32(labels: jax.Array, ignore_index: int | None, vocab: int) -> jax.Array:
+    """Integer labels of any width as int32 for the kernels, range-checked at their own width
+    first: a label equal to `ignore_index` stays ignore_index, one in [0, vocab) keeps its
+    value, and any other one (e.g. int64 2**32 + 1, which `astype(int32)` would wrap to 1)
+    becomes a negative sentinel that is never ignore_index, so the kernels report it as out of
+    range (NaN loss). int8/16/32 and uint8/16 labels are exact in int32 and only cast.
+
+    `ignore_index` None: no label is ignored (token_logprobs)."""
+    dtype = jnp.dtype(labels.dtype)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"labels.dtype={dtype} must be an integer type")
+    if ignore_index is not None:
+        ignore_index = check_static_int(ignore_index, "ignore_index")
+    info = jnp.iinfo(dtype)
+    if info.min >= INT32_MIN and info.max <= INT32_MAX:
+        return labels.astype(jnp.int32)
+    in_range = labels < vocab if vocab <= info.max else jnp.ones(labels.shape, bool)
+    if info.min < 0:
+        in_range = in_range & (labels >= 0)
+    narrowed = jnp.where(in_range, labels, 0).astype(jnp.int32)  # exact where in range
+    sentinel = -2 if ignore_index == -1 else -1
+    out = jnp.where(in_range, narrowed, jnp.int32(sentinel))
+    if ignore_index is not None and info.min <= ignore_index <= info.max:
+        out = jnp.where(labels == ignore_index, jnp.int32(ignore_index), out)
+    return out
 
 
 def flatten_rows(x: jax.Array) -> jax.Array:

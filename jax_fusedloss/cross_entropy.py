@@ -7,8 +7,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import cross_entropy as _xla_ce
+from jax_fusedloss._xla import reductions as _xla_red
 
 
 class CEOptions(NamedTuple):
@@ -19,6 +21,7 @@ class CEOptions(NamedTuple):
     softcap: float | None
     return_lse: bool
     implementation: str
+    vocab_axis: str | tuple[str, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -107,20 +110,87 @@ def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
     return _triton_jax.rowwise(body)(grad, cot)[0]
 
 
+def _triton_slice_stats(x, y, opts: CEOptions):
+    """Per-row (max, sum exp, sum z, z[y] or 0) of `[N, V]` through ce_partial_kernel; y may lie
+    outside [0, V) (a label in another device's vocabulary slice)."""
+    k, launch = _kernels()
+
+    def body(x, y):
+        n, vocab = x.shape
+        cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
+        (part,) = _triton_jax.launch(
+            k.ce_partial_kernel, grid=(n, cfg.num_splits), inputs=[x, y],
+            scalars=[vocab, vocab, float(opts.softcap or 1.0)],
+            out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), jnp.float32)],
+            num_warps=cfg.num_warps,
+            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                            **_flags(opts)))
+        return (part,)
+
+    (part,) = body(x, y)
+    m, s = _xla_red.merge_stats(part[..., 0], part[..., 1], None, axis=1)
+    return m, s, part[..., 2].sum(axis=1), part[..., 3].sum(axis=1)
+
+
+# ----------------------------------------------------------------------------- row functions
+def _vp_fwd(slice_stats, x, y, row_scale, opts: CEOptions, axes):
+    """Vocabulary-parallel forward: slice statistics, one O(N) all-gather, the row finish."""
+    m, s, sumz, zy = slice_stats(x, y - _sharding.slice_offset(x.shape[1], axes), opts)
+    m, s, _, sumz, zy = _sharding.merge_across(axes, m, s, sums=(sumz, zy))
+    lse = _xla_chunks.lse_from_stats(m, s)
+    loss, coef = _xla_ce.finish(lse, zy, sumz, y, row_scale, opts,
+                                _sharding.global_vocab(x.shape[1], axes))
+    return loss, lse, coef
+
+
+def _row_fns(opts: CEOptions, impl: str) -> dict[str, _sharding.RowFns]:
+    """The row functions of one implementation: fwd, fwd_grad, bwd and scale (rescale a saved
+    gradient by per-row cotangents), each with its vocabulary-parallel form."""
+    if impl == "triton":
+        stats, fwd = _triton_slice_stats, functools.partial(_triton_rows_fwd, write_grad=False)
+        bwd, scale = _triton_rows_bwd, scale_rows
+    else:
+        stats, fwd, bwd = _xla_ce.slice_stats, _xla_ce.rows_fwd, _xla_ce.rows_bwd
+        scale = _xla_scale_rows
+
+    def bwd_vp(x, y, lse, coef, axes):
+        return (bwd(x, y - _sharding.slice_offset(x.shape[1], axes), lse, coef, opts),)
+
+    def fwd_grad_vp(x, y, row_scale, axes):
+        loss, lse, coef = _vp_fwd(stats, x, y, row_scale, opts, axes)
+        return (loss, lse, coef) + bwd_vp(x, y, lse, coef, axes)
+
+    def fwd_grad(x, y, row_scale):
+        if impl == "triton":
+            return _triton_rows_fwd(x, y, row_scale, opts, write_grad=True)
+        loss, lse, coef = fwd(x, y, row_scale, opts)
+        return loss, lse, coef, bwd(x, y, lse, coef, opts)
+
+    R, X = _sharding.ROW, _sharding.LIKE_X
+    return dict(
+        fwd=_sharding.RowFns(lambda x, y, r: fwd(x, y, r, opts),
+                             functools.partial(_vp_fwd, stats, opts=opts), (R, R, R)),
+        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, R, X)),
+        bwd=_sharding.RowFns(lambda x, y, lse, coef: (bwd(x, y, lse, coef, opts),), bwd_vp, (X,)),
+        scale=_sharding.RowFns(lambda g, c: (scale(g, c),),
+                               lambda g, c, axes: (scale(g, c),), (X,)),
+    )
+
+
+def _xla_scale_rows(grad, cot):
+    return (grad.astype(jnp.float32) * cot[:, None]).astype(grad.dtype)
+
+
+def _call(opts: CEOptions, role: str, *arrays):
+    """Runs one row function of opts.implementation, partitioned across devices."""
+    fns = _row_fns(opts, opts.implementation)[role]
+    fallback = None
+    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
+        fallback = _row_fns(opts, "xla")[role]
+    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+
+
 # ----------------------------------------------------------------------------- custom_vjp
-class _Backend(NamedTuple):
-    rows_fwd: object  # (x, y, row_scale, opts) -> (loss, lse, coef)
-    rows_bwd: object  # (x, y, lse, coef, opts) -> grad
-    rows_fwd_grad: object  # (x, y, row_scale, opts) -> (loss, lse, coef, grad), or None
-
-
-_BACKENDS = {
-    "triton": _Backend(functools.partial(_triton_rows_fwd, write_grad=False), _triton_rows_bwd,
-                       functools.partial(_triton_rows_fwd, write_grad=True)),
-    "xla": _Backend(_xla_ce.rows_fwd, _xla_ce.rows_bwd, None),
-}
-
-
 def _denominator(y, opts: CEOptions):
     if opts.reduction != "mean":
         return jnp.float32(1.0)
@@ -142,20 +212,19 @@ def _row_cotangent(g_loss, n, opts: CEOptions):
 def _ce(x, y, opts: CEOptions):
     denom = _denominator(y, opts)
     row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
-    loss, lse, _ = _BACKENDS[opts.implementation].rows_fwd(x, y, row_scale, opts)
+    loss, lse, _ = _call(opts, "fwd", x, y, row_scale)
     return _reduce(loss, denom, opts), lse
 
 
 def _ce_fwd(x, y, opts: CEOptions):
-    backend = _BACKENDS[opts.implementation]
     denom = _denominator(y, opts)
     row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
-    if backend.rows_fwd_grad is not None and not opts.return_lse:
+    if opts.implementation == "triton" and not opts.return_lse:
         # The gradient for a unit cotangent is written in the same pass as the loss: one read
         # of the logits in all. The backward only rescales rows whose cotangent is not 1.
-        loss, lse, _, grad = backend.rows_fwd_grad(x, y, row_scale, opts)
+        loss, lse, _, grad = _call(opts, "fwd_grad", x, y, row_scale)
         return (_reduce(loss, denom, opts), lse), (grad, None, None, None, None)
-    loss, lse, coef = backend.rows_fwd(x, y, row_scale, opts)
+    loss, lse, coef = _call(opts, "fwd", x, y, row_scale)
     return (_reduce(loss, denom, opts), lse), (None, x, y, lse, coef)
 
 
@@ -163,11 +232,11 @@ def _ce_bwd(opts: CEOptions, res, cts):
     grad, x, y, lse, coef = res
     g_loss, g_lse = cts
     if grad is not None:
-        return scale_rows(grad, _row_cotangent(g_loss, grad.shape[0], opts)), None
+        return _call(opts, "scale", grad, _row_cotangent(g_loss, grad.shape[0], opts))[0], None
     cot = _row_cotangent(g_loss, x.shape[0], opts)
     coef = coef * cot[:, None]
     coef = coef.at[:, 0].add(g_lse.astype(jnp.float32))
-    return _BACKENDS[opts.implementation].rows_bwd(x, y, lse, coef, opts), None
+    return _call(opts, "bwd", x, y, lse, coef)[0], None
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
@@ -185,6 +254,7 @@ def cross_entropy(
     logit_softcap: float | None = None,
     return_lse: bool = False,
     implementation: str | None = None,
+    vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Fused softmax cross-entropy over the last axis, without `[N, V]` float32 temporaries.
 
@@ -216,6 +286,12 @@ def cross_entropy(
       return_lse: also return float32 `[...]` lse of z for every token, ignored or not
         (differentiable too).
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
+        vocabulary axis of `logits` is split, device i of those axes holding columns
+        `[i * V_local, (i + 1) * V_local)`; `labels` are global ids. Partial statistics are
+        merged with one all-gather of O(N) floats and each device gets the gradient of its
+        slice. Under `jax.jit` with sharded inputs nothing is needed: the op partitions itself
+        (see the README's Multi-GPU section).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -246,7 +322,7 @@ def cross_entropy(
         raise ValueError(f"logit_softcap={logit_softcap} must be > 0 or None")
     opts = CEOptions(int(ignore_index), reduction, float(label_smoothing), float(z_loss),
                      None if logit_softcap is None else float(logit_softcap), bool(return_lse),
-                     "")
+                     "", _common.check_axis_name(vocab_axis))
     lead = labels.shape
     x = _common.flatten_rows(logits)
     y = labels.reshape(-1).astype(jnp.int32)

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss import _common, _sharding, _triton_jax
 from jax_fusedloss._xla import reductions as _xla_red
 
 
@@ -16,6 +16,7 @@ class RedOptions(NamedTuple):
     temperature: float
     entropy: bool  # compute (and differentiate) the entropy
     implementation: str
+    vocab_axis: str | tuple[str, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -90,18 +91,83 @@ def _triton_rows_bwd(x, y, lse, ent, cot, opts: RedOptions):
     return _triton_jax.rowwise(body)(*args)[0]
 
 
+def _triton_slice_stats(x, y, opts: RedOptions):
+    """Per-row partials (m, s, u, z[y] or 0; None without labels) through red_fwd_kernel's
+    split form; y may lie outside [0, V) (a label in another device's vocabulary slice)."""
+    k, cfg = _config(x)
+    n, vocab = x.shape
+    has_label = y is not None
+    dummy = jax.ShapeDtypeStruct((1,), jnp.float32)
+    (part, *_) = _triton_jax.launch(
+        k.red_fwd_kernel, grid=(n, cfg.num_splits),
+        inputs=[x, y if has_label else jnp.zeros((1,), jnp.int32)],
+        scalars=[vocab, vocab, 1.0 / opts.temperature],
+        out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), jnp.float32)] + [dummy] * 3,
+        num_warps=cfg.num_warps,
+        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
+                        **_flags(opts, has_label)))
+    m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
+    return m, s, u, part[..., 3].sum(axis=1) if has_label else None
+
+
+# ----------------------------------------------------------------------------- row functions
+def _row_fns(opts: RedOptions, impl: str, has_label: bool) -> dict[str, _sharding.RowFns]:
+    """fwd: (x[, y]) -> (lse[, entropy][, logp]); bwd: (x, lse, ent, cot[, y]) -> grad; each
+    with its vocabulary-parallel form."""
+    if impl == "triton":
+        stats, fwd, bwd = _triton_slice_stats, _triton_rows_fwd, _triton_rows_bwd
+    else:
+        stats, fwd, bwd = _xla_red.slice_stats, _xla_red.rows_fwd, _xla_red.rows_bwd
+
+    def present(outs):
+        return tuple(o for o in outs if o is not None)
+
+    def fwd_local(x, *y):
+        return present(fwd(x, y[0] if y else None, opts))
+
+    def fwd_vp(x, *y, axes):
+        label = y[0] if y else None
+        off = _sharding.slice_offset(x.shape[1], axes)
+        m, s, u, zy = stats(x, None if label is None else label - off, opts)
+        m, s, u, *zy = _sharding.merge_across(axes, m, s, u if opts.entropy else None,
+                                              sums=(zy,) if y else ())
+        return present(_xla_red.finish(m, s, u, zy[0] if y else None, label,
+                                       _sharding.global_vocab(x.shape[1], axes)))
+
+    def bwd_local(x, lse, ent, cot, *y):
+        return (bwd(x, y[0] if y else None, lse, ent if opts.entropy else None, cot, opts),)
+
+    def bwd_vp(x, lse, ent, cot, *y, axes):
+        if not y:
+            return bwd_local(x, lse, ent, cot)
+        # The label term lives on the slice that owns the label: elsewhere its softmax part
+        # joins g_lse and the label column term is dropped. A label outside [0, V) with a
+        # nonzero cotangent poisons the row through g_lse, as the local kernels do.
+        vocab = x.shape[1]
+        local = y[0] - _sharding.slice_offset(vocab, axes)
+        owned = (local >= 0) & (local < vocab)
+        bad = (y[0] < 0) | (y[0] >= _sharding.global_vocab(vocab, axes))
+        g_lse, g_ent, g_logp = cot[:, 0], cot[:, 1], cot[:, 2]
+        g_lse = jnp.where(owned, g_lse, g_lse - g_logp)
+        g_lse = jnp.where(bad & (g_logp != 0), jnp.nan, g_lse)
+        cot = jnp.stack([g_lse, g_ent, jnp.where(owned, g_logp, 0.0)], axis=1)
+        return bwd_local(x, lse, ent, cot, jnp.where(owned, local, 0))
+
+    n_out = 1 + opts.entropy + has_label
+    R, X = _sharding.ROW, _sharding.LIKE_X
+    return dict(fwd=_sharding.RowFns(fwd_local, fwd_vp, (R,) * n_out),
+                bwd=_sharding.RowFns(bwd_local, bwd_vp, (X,)))
+
+
+def _call(opts: RedOptions, role: str, has_label: bool, *arrays):
+    fns = _row_fns(opts, opts.implementation, has_label)[role]
+    fallback = None
+    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
+        fallback = _row_fns(opts, "xla", has_label)[role]
+    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+
+
 # ----------------------------------------------------------------------------- custom_vjp
-class _Backend(NamedTuple):
-    rows_fwd: object  # (x, y or None, opts) -> (lse, entropy or None, logp or None)
-    rows_bwd: object  # (x, y or None, lse, entropy or None, cot [N, 3], opts) -> grad
-
-
-_BACKENDS = {
-    "triton": _Backend(_triton_rows_fwd, _triton_rows_bwd),
-    "xla": _Backend(_xla_red.rows_fwd, _xla_red.rows_bwd),
-}
-
-
 class _Residuals(NamedTuple):
     x: jax.Array
     y: jax.Array | None
@@ -109,27 +175,38 @@ class _Residuals(NamedTuple):
     ent: jax.Array | None
 
 
+def _expand(outs, opts: RedOptions, has_label: bool):
+    outs = iter(outs)
+    lse = next(outs)
+    return lse, next(outs) if opts.entropy else None, next(outs) if has_label else None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rows(x, y, opts: RedOptions):
-    return _BACKENDS[opts.implementation].rows_fwd(x, y, opts)
+    has_label = y is not None
+    return _expand(_call(opts, "fwd", has_label, x, *([y] if has_label else [])), opts,
+                   has_label)
 
 
 def _rows_fwd(x, y, opts: RedOptions):
-    lse, ent, logp = _BACKENDS[opts.implementation].rows_fwd(x, y, opts)
+    lse, ent, logp = _rows(x, y, opts)
     return (lse, ent, logp), _Residuals(x, y, lse, ent)
 
 
 def _rows_bwd(opts: RedOptions, res: _Residuals, cts):
-    zeros = jnp.zeros(res.lse.shape, jnp.float32)
+    zeros = jnp.zeros_like(res.lse)  # keeps the rows' sharding (Explicit mesh axes)
     cot = jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
-    grad = _BACKENDS[opts.implementation].rows_bwd(res.x, res.y, res.lse, res.ent, cot, opts)
+    has_label = res.y is not None
+    ent = res.lse if res.ent is None else res.ent  # read only with opts.entropy
+    grad = _call(opts, "bwd", has_label, res.x, res.lse, ent, cot,
+                 *([res.y] if has_label else []))[0]
     return grad, None
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _compute(logits, labels, temperature, entropy: bool, implementation):
+def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None):
     """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
     _common.check_logits(logits)
     if labels is not None:
@@ -147,14 +224,14 @@ def _compute(logits, labels, temperature, entropy: bool, implementation):
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
-    opts = RedOptions(temperature, entropy, "")
+    opts = RedOptions(temperature, entropy, "", _common.check_axis_name(vocab_axis))
     outs = _common.dispatch_op(_rows, implementation, x, y, opts=opts)
     return tuple(None if o is None else o.reshape(lead) for o in outs)
 
 
 # ----------------------------------------------------------------------------- public API
-def logsumexp(logits: jax.Array, *, temperature: float = 1.0,
-              implementation: str | None = None) -> jax.Array:
+def logsumexp(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
+              vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Log-sum-exp over the last axis, in one read of the logits.
 
     With :math:`z = \mathrm{logits} / T` (`temperature` T):
@@ -170,6 +247,8 @@ def logsumexp(logits: jax.Array, *, temperature: float = 1.0,
       logits: `[..., V]` float32, bfloat16 or float16.
       temperature: a static float > 0.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
+        vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
 
     Returns:
       float32 `[...]`; `-inf` for a row whose logits are all `-inf` (its gradient is zero).
@@ -183,11 +262,11 @@ def logsumexp(logits: jax.Array, *, temperature: float = 1.0,
       >>> logits = jax.random.normal(jax.random.key(0), (8, 1000))
       >>> lse = logsumexp(logits)  # == jax.nn.logsumexp(logits, axis=-1)
     """
-    return _compute(logits, None, temperature, False, implementation)[0]
+    return _compute(logits, None, temperature, False, implementation, vocab_axis)[0]
 
 
-def entropy(logits: jax.Array, *, temperature: float = 1.0,
-            implementation: str | None = None) -> jax.Array:
+def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
+            vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Entropy of softmax(logits / temperature) over the last axis, in one read.
 
     With :math:`z = \mathrm{logits} / T` and :math:`p = \mathrm{softmax}(z)`:
@@ -203,6 +282,8 @@ def entropy(logits: jax.Array, *, temperature: float = 1.0,
       logits: `[..., V]` float32, bfloat16 or float16.
       temperature: a static float > 0.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
+        vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
 
     Returns:
       float32 `[...]` in nats; NaN for a row whose logits are all `-inf` (no distribution;
@@ -215,11 +296,12 @@ def entropy(logits: jax.Array, *, temperature: float = 1.0,
       >>> logits = jax.random.normal(jax.random.key(0), (8, 1000))
       >>> h = entropy(logits, temperature=0.7)
     """
-    return _compute(logits, None, temperature, True, implementation)[1]
+    return _compute(logits, None, temperature, True, implementation, vocab_axis)[1]
 
 
 def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, implementation: str | None = None,
+                   vocab_axis: str | tuple[str, ...] | None = None,
                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Log-probability of each label under softmax(logits / temperature), and its entropy.
 
@@ -239,6 +321,8 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       temperature: a static float > 0.
       return_entropy: also return the entropy `[...]`.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
+        vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
 
     Returns:
       float32 `[...]` log-probs, or `(logprobs, entropy)`. A label outside `[0, V)` is never
@@ -261,7 +345,8 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
         raise TypeError(f"return_entropy={return_entropy!r} must be a bool")
     if labels is None:
         raise TypeError("labels must be an integer array `[...]`, got None")
-    _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation)
+    _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation,
+                            vocab_axis)
     return (logp, ent) if return_entropy else logp
 
 

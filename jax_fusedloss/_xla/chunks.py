@@ -6,6 +6,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jax_fusedloss._sharding import match_varying
+
 CHUNK = 4096  # columns per step: [N, 4096] float32 temporaries at most
 
 
@@ -26,8 +28,11 @@ def transform(x: jax.Array, inv_temp: float, softcap: float | None):
     x = x.astype(jnp.float32) * inv_temp
     if softcap is None:
         return x, jnp.full_like(x, inv_temp)
-    t = jnp.tanh(x / softcap)
-    return softcap * t, (1.0 - t * t) * inv_temp
+    u = x / softcap
+    t = jnp.tanh(u)
+    # 1 - tanh(u)**2 = 4e / (1 + e)**2 with e = exp(-2|u|): no cancellation where |t| ~ 1.
+    e = jnp.exp(-2.0 * jnp.abs(u))
+    return softcap * t, 4.0 * e / ((1.0 + e) * (1.0 + e)) * inv_temp
 
 
 def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = None):
@@ -45,7 +50,7 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
         z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, softcap)
         z = jnp.where(mask, z, -jnp.inf)
         m_new = jnp.maximum(m, z.max(axis=1))
-        ms = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        ms = safe_max(m_new)
         alpha = jnp.exp(m - ms)
         e = jnp.exp(z - ms[:, None])
         zf = jnp.where(mask, z, 0.0)
@@ -53,12 +58,25 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
                 szp * alpha + jnp.where(e > 0, z * e, 0.0).sum(axis=1))
 
     zeros = jnp.zeros((n,), jnp.float32)
-    return jax.lax.fori_loop(0, count, body, (jnp.full((n,), -jnp.inf, jnp.float32), zeros,
-                                              zeros, zeros))
+    init = carry_like(x, (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros))
+    return jax.lax.fori_loop(0, count, body, init)
+
+
+def safe_max(m):
+    """The reference of a running sum: m where finite, 0 where m is +-inf, NaN stays NaN (see
+    kernels/_online.py: an all -inf row sums to 0, a row with +inf sums to +inf, never NaN)."""
+    return jnp.where(jnp.isinf(m), 0.0, m)
 
 
 def lse_from_stats(m, s):
-    return jnp.where(s > 0, jnp.where(jnp.isneginf(m), 0.0, m) + jnp.log(s), -jnp.inf)
+    """-inf where s == 0 (no entry above -inf), else safe_max(m) + log(s): +inf for a row with
+    a +inf entry, NaN for a row with a NaN entry."""
+    return jnp.where(s == 0, -jnp.inf, safe_max(m) + jnp.log(jnp.where(s == 0, 1.0, s)))
+
+
+def poison_inf(lse):
+    """+inf -> NaN: a loss or gradient built on a +inf lse is NaN (the NaN/+inf policy)."""
+    return jnp.where(jnp.isposinf(lse), jnp.nan, lse)
 
 
 def write_chunks(x: jax.Array, out_dtype, chunk_grad: Callable) -> jax.Array:
@@ -72,4 +90,10 @@ def write_chunks(x: jax.Array, out_dtype, chunk_grad: Callable) -> jax.Array:
         g = chunk_grad(cols, jax.lax.dynamic_slice_in_dim(x, start, width, axis=1))
         return jax.lax.dynamic_update_slice_in_dim(out, g.astype(out_dtype), start, axis=1)
 
-    return jax.lax.fori_loop(0, count, body, jnp.zeros((n, vocab), out_dtype))
+    return jax.lax.fori_loop(0, count, body, carry_like(x, jnp.zeros((n, vocab), out_dtype)))
+
+
+def carry_like(x: jax.Array, carry):
+    """A loop carry (pytree) given the varying manual axes of x, so that the twins' loops type
+    check inside shard_map."""
+    return jax.tree.map(lambda c: match_varying(c, x), carry)

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss._xla.chunks import lse_from_stats, online_stats, transform, write_chunks
+from jax_fusedloss._xla.chunks import poison_inf
 
 
 def label_state(labels: jax.Array, vocab: int, ignore_index: int):
@@ -13,14 +14,20 @@ def label_state(labels: jax.Array, vocab: int, ignore_index: int):
     return ignored, bad
 
 
-def rows_fwd(x, y, row_scale, opts):
-    """Per-row (loss, lse, coef[N, 3]) for `[N, V]` logits; see kernels/cross_entropy.py."""
+def slice_stats(x, y, opts):
+    """(max, sum exp(z - max), sum z, z[y] or 0 when y is outside [0, V)) per row of `[N, V]`."""
     vocab = x.shape[-1]
     m, s, sumz, _ = online_stats(x, 1.0, opts.softcap)
-    lse = lse_from_stats(m, s)
-    ignored, bad = label_state(y, vocab, opts.ignore_index)
+    inside = (y >= 0) & (y < vocab)
     safe = jnp.clip(y, 0, vocab - 1)
     zy, _ = transform(jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0], 1.0, opts.softcap)
+    return m, s, sumz, jnp.where(inside, zy, 0.0)
+
+
+def finish(lse, zy, sumz, y, row_scale, opts, vocab: int):
+    """Per-row (loss, coef[N, 3]) from a row's lse, z[y] and sum z over all `vocab` columns."""
+    ignored, bad = label_state(y, vocab, opts.ignore_index)
+    lse = poison_inf(lse)  # NaN/+inf policy: NaN loss and gradient row, see kernels
     eps, zl = opts.smoothing, opts.z_loss
     loss = (1.0 - eps) * (lse - zy)
     scale = jnp.where(ignored, 0.0, row_scale)
@@ -30,9 +37,18 @@ def rows_fwd(x, y, row_scale, opts):
     if zl > 0:
         loss = loss + zl * lse * lse
         a = scale * (1.0 + 2.0 * zl * lse)
-    loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, loss))
-    a = jnp.where(bad, jnp.nan, a)  # a NaN `a` makes the bad row's whole gradient NaN
+    nonfinite = jnp.isnan(lse)
+    loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, jnp.where(nonfinite, jnp.nan, loss)))
+    a = jnp.where(bad | nonfinite, jnp.nan, a)  # a NaN `a` makes the whole gradient row NaN
     coef = jnp.stack([a, scale * (1.0 - eps), scale * eps / vocab], axis=1)
+    return loss, coef
+
+
+def rows_fwd(x, y, row_scale, opts):
+    """Per-row (loss, lse, coef[N, 3]) for `[N, V]` logits; see kernels/cross_entropy.py."""
+    m, s, sumz, zy = slice_stats(x, y, opts)
+    lse = lse_from_stats(m, s)
+    loss, coef = finish(lse, zy, sumz, y, row_scale, opts, x.shape[-1])
     return loss, lse, coef
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import chunk_layout, chunk_start, lse_from_stats, write_chunks
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, lse_from_stats,
+                                       write_chunks)
+from jax_fusedloss._xla.chunks import poison_inf, safe_max
 from jax_fusedloss._xla.cross_entropy import label_state
 
 
@@ -20,7 +22,7 @@ def kd_stats_needed(opts) -> bool:
 
 def _update(m, s, z):
     m_new = jnp.maximum(m, z.max(axis=1))
-    ms = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    ms = safe_max(m_new)
     return m_new, s * jnp.exp(m - ms) + jnp.exp(z - ms[:, None]).sum(axis=1)
 
 
@@ -37,7 +39,8 @@ def vocab_lse(x: jax.Array, scales: tuple[float, ...]) -> tuple[jax.Array, ...]:
 
     init = tuple((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
                  for _ in scales)
-    return tuple(lse_from_stats(m, s) for m, s in jax.lax.fori_loop(0, count, body, init))
+    return tuple(lse_from_stats(m, s)
+                 for m, s in jax.lax.fori_loop(0, count, body, carry_like(x, init)))
 
 
 def _entries(x, ids, lp, y, opts):
@@ -71,9 +74,11 @@ def rows_fwd(x, ids, lp, y, row_scale, opts):
     else:
         zk = jnp.where(valid, sk, -jnp.inf)
         mk = zk.max(axis=1)
-        L = lse_from_stats(mk, jnp.exp(zk - jnp.where(jnp.isneginf(mk), 0.0, mk)[:, None])
-                           .sum(axis=1))
-    kd = jnp.where(p > 0, p * (lp - (sk - L[:, None])), 0.0).sum(axis=1)
+        L = lse_from_stats(mk, jnp.exp(zk - safe_max(mk)[:, None]).sum(axis=1))
+    # NaN/+inf policy (see kernels/kd.py): +inf statistics become NaN; p == 0 adds nothing,
+    # a NaN teacher log-prob gives a NaN term.
+    lse_x, L = poison_inf(lse_x), poison_inf(L)
+    kd = jnp.where(p == 0, 0.0, p * (lp - (sk - L[:, None]))).sum(axis=1)
     P = p.sum(axis=1)
     ce_a = jnp.where(active, row_scale[:, 0], 0.0)
     kd_a = jnp.where(active, row_scale[:, 1], 0.0)
@@ -96,7 +101,7 @@ def _duplicate_sums(ids, valid, p):
                 count + same)
 
     zeros = jnp.zeros(ids.shape, jnp.float32)
-    return jax.lax.fori_loop(0, ids.shape[1], body, (zeros, zeros))
+    return jax.lax.fori_loop(0, ids.shape[1], body, carry_like(ids, (zeros, zeros)))
 
 
 def rows_bwd(x, ids, lp, y, stats, opts):

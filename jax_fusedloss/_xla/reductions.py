@@ -8,16 +8,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import chunk_layout, chunk_start, transform, write_chunks
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, transform,
+                                       write_chunks)
+from jax_fusedloss._xla.chunks import lse_from_stats, safe_max
 
 
 def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
     """Merges partials (m, s[, u]) along `axis`. A partial with m = -inf counts as the identity
-    whatever its s and u (e.g. the NaN entropy of an all -inf shard); gradients stay finite."""
+    whatever its s and u (e.g. the NaN entropy of an all -inf shard); gradients stay finite.
+
+    A row whose largest partial max is +inf merges to m = +inf with s (and u) the sums of the
+    +inf partials' own s (and u), taken relative to 0 as kernels/_online.safe_max does, so
+    m + log(s) is +inf as jax.nn.logsumexp gives; finite partials add nothing to it. A NaN
+    anywhere in a row's partials makes its merged s NaN."""
     big = jnp.max(m, axis=axis, keepdims=True)
-    ref = jnp.where(jnp.isneginf(big), 0.0, big)
-    dead = jnp.isneginf(m)
-    shift = jnp.where(dead, 0.0, m) - ref  # used only where m is finite
+    top = jnp.isposinf(big)
+    ref = jnp.where(jnp.isinf(big), 0.0, big)
+    dead = jnp.isneginf(m) | (top & jnp.isfinite(m))  # a NaN partial is never dead
+    shift = jnp.where(dead | jnp.isposinf(m), 0.0, m) - ref  # 0 for the +inf partials
     w = jnp.where(dead, 0.0, jnp.exp(shift))
     s_out = jnp.sum(jnp.where(dead, 0.0, s) * w, axis=axis)
     m_out = jnp.squeeze(big, axis)
@@ -27,20 +35,24 @@ def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
 
 
 def finish(m, s, u, zy, labels, vocab: int):
-    """(lse, entropy, logp) from merged partials; u, zy may be None (output None)."""
-    live = s > 0
-    s_safe = jnp.where(live, s, 1.0)
-    lse = jnp.where(live, jnp.where(jnp.isneginf(m), 0.0, m) + jnp.log(s_safe), -jnp.inf)
-    ent = None if u is None else jnp.where(live, jnp.log(s_safe) - u / s_safe, jnp.nan)
+    """(lse, entropy, logp) from merged partials; u, zy may be None (output None).
+
+    lse follows lse_from_stats (-inf, +inf or NaN for an empty, +inf or NaN row); entropy and
+    logp are NaN wherever lse is not finite."""
+    lse = lse_from_stats(m, s)
+    finite = jnp.isfinite(lse)
+    s_safe = jnp.where(finite, s, 1.0)
+    ent = None if u is None else jnp.where(finite, jnp.log(s_safe) - u / s_safe, jnp.nan)
     logp = None
     if zy is not None:
         bad = (labels < 0) | (labels >= vocab)
-        logp = jnp.where(bad | ~live, jnp.nan, zy - lse)
+        logp = jnp.where(bad | ~finite, jnp.nan, zy - lse)
     return lse, ent, logp
 
 
-def rows_fwd(x: jax.Array, y: jax.Array | None, opts):
-    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits, one chunked pass."""
+def slice_stats(x: jax.Array, y: jax.Array | None, opts):
+    """Per-row partials (m, s, u, z[y] or 0 outside [0, V); None without labels) of `[N, V]`
+    logits in one chunked pass."""
     n, vocab = x.shape
     width, count = chunk_layout(vocab)
     inv_temp = 1.0 / opts.temperature
@@ -50,18 +62,27 @@ def rows_fwd(x: jax.Array, y: jax.Array | None, opts):
         z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, None)
         z = jnp.where(start + jnp.arange(width) >= owned, z, -jnp.inf)
         mc = jnp.max(z, axis=1, keepdims=True)
-        d = z - jnp.where(jnp.isneginf(mc), 0.0, mc)
+        d = z - safe_max(mc)
         e = jnp.exp(d)
         chunk = (mc[:, 0], e.sum(axis=1), (jnp.where(e > 0, d, 0.0) * e).sum(axis=1))
         return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
 
     zeros = jnp.zeros((n,), jnp.float32)
-    m, s, u = jax.lax.fori_loop(0, count, body, (jnp.full((n,), -jnp.inf), zeros, zeros))
+    m, s, u = jax.lax.fori_loop(0, count, body,
+                                carry_like(x, (jnp.full((n,), -jnp.inf), zeros, zeros)))
     zy = None
     if y is not None:
+        inside = (y >= 0) & (y < vocab)
         safe = jnp.clip(y, 0, vocab - 1)
         zy, _ = transform(jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0], inv_temp, None)
-    return finish(m, s, u if opts.entropy else None, zy, y, vocab)
+        zy = jnp.where(inside, zy, 0.0)
+    return m, s, u, zy
+
+
+def rows_fwd(x: jax.Array, y: jax.Array | None, opts):
+    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits, one chunked pass."""
+    m, s, u, zy = slice_stats(x, y, opts)
+    return finish(m, s, u if opts.entropy else None, zy, y, x.shape[-1])
 
 
 def rows_bwd(x: jax.Array, y: jax.Array | None, lse, ent, cot, opts) -> jax.Array:
@@ -79,7 +100,8 @@ def rows_bwd(x: jax.Array, y: jax.Array | None, lse, ent, cot, opts) -> jax.Arra
         b = jnp.where(live, cot[:, 2], 0.0)
         a = a - b
         poison = ((y < 0) | (y >= vocab)) & (b != 0)
-    a = jnp.where(live, a, 0.0)[:, None]
+    a = jnp.where(live, a, 0.0)
+    a = jnp.where(jnp.isposinf(lse), jnp.nan, a)[:, None]  # a NaN lse: the NaN p does it
 
     def chunk_grad(cols, xc):
         z, _ = transform(xc, inv_temp, None)

@@ -1,0 +1,242 @@
+"""How every op partitions across devices: one custom_partitioning rule for all row functions.
+
+Every op is built from *row functions* `f(x, *rows) -> outs` over logits `x: [N, V]` and row
+arrays `rows[i]: [N, ...]` (labels, per-row statistics, teacher entries); each output is either
+a row array `[N, ...]` or an array shaped like `x` (a gradient). Such a function partitions the
+same way for every op:
+
+- token axis sharded: each device runs `f` on its own rows; nothing is communicated;
+- vocabulary axis sharded: each device runs the op's *vocabulary-parallel* variant
+  `f_vp(x_slice, *rows, axes=...)`, which computes partial statistics of its slice, merges them
+  across `axes` with O(N) (O(N*K) for top-K) collectives and writes the gradient of its own
+  slice. Row outputs come back replicated over `axes`, gradients keep the logits' sharding.
+
+`partitioned()` wraps a row function in `jax.experimental.custom_partitioning` with a Shardy
+sharding rule so that XLA's SPMD partitioner applies this under `jit` with any `NamedSharding`
+(Auto axes), `call_rows()` adds the Explicit-axes case (through `jax.sharding.auto_axes`) and
+the `shard_map` case (local shards; the vocabulary axis named by the caller).
+
+Limits, each falling back to a correct but communicating layout (XLA all-gathers the axis):
+a sharded axis whose size is not divisible by its number of shards is gathered; row arrays are
+laid out like the logits' token axis. On the CPU, Triton's interpreter runs in a host callback,
+which JAX drops from a custom-partitioned sub-computation, so partitioned programs over more
+than one device run the XLA twin's row functions there (`spmd_fallback`); the compiled
+jax-triton call has no such limit.
+"""
+from __future__ import annotations
+
+import functools
+import string
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+ROW, LIKE_X = "row", "like_x"
+
+
+class RowFns(NamedTuple):
+    """One implementation of one op's row function, with its vocabulary-parallel variant.
+
+    `local(x, *rows)` computes the outputs of `[N, V]` logits; `vocab_parallel(x, *rows, axes)`
+    does the same for a vocabulary slice of each row, with collectives over the mesh `axes`
+    that split the vocabulary (slice i of the axes' linear index holds columns
+    `[i * V_local, (i + 1) * V_local)`); None makes a vocabulary-sharded input be gathered.
+    """
+    local: Callable
+    vocab_parallel: Callable | None
+    out_kinds: tuple[str, ...]  # ROW or LIKE_X per output
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _shards(mesh, axes) -> int:
+    return functools.reduce(lambda a, b: a * b, (mesh.shape[a] for a in axes), 1)
+
+
+def _layout(mesh, x_shape, x_sharding, has_vp: bool):
+    """(row axes, vocab axes) the partitioned call runs with, given the logits' sharding."""
+    spec = tuple(x_sharding.spec) + (None,) * (2 - len(x_sharding.spec))
+    rows, vocab = _axes(spec[0]), _axes(spec[1])
+    if rows and x_shape[0] % _shards(mesh, rows):
+        rows = ()
+    if vocab and (not has_vp or x_shape[1] % _shards(mesh, vocab)):
+        vocab = ()
+    return rows, vocab
+
+
+def _row_sharding(mesh, rows, ndim: int):
+    return NamedSharding(mesh, P(_entry(rows), *([None] * (ndim - 1))))
+
+
+def _rule(n_rows_in: Sequence[int], out_ndims: Sequence[tuple[str, int]]) -> str:
+    """Shardy rule: x is "n v", row arrays "n" plus their own factors, outputs likewise."""
+    letters = iter(c for c in string.ascii_lowercase if c not in "nv")
+    ins = ["n v"] + [" ".join(["n"] + [next(letters) for _ in range(nd - 1)]) for nd in n_rows_in]
+    outs = ["n v" if kind == LIKE_X else " ".join(["n"] + [next(letters) for _ in range(nd - 1)])
+            for kind, nd in out_ndims]
+    return ", ".join(ins) + " -> " + ", ".join(outs)
+
+
+@functools.lru_cache(maxsize=256)
+def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
+                out_ndims: tuple[int, ...]) -> Callable:
+    """The custom-partitioned form of `fns.local` for row arrays of `in_ndims` dimensions.
+
+    `fallback` (or None) is used instead of `fns` when a partitioned program spans more than
+    one device and `fns` cannot run there (the interpreter's host callbacks)."""
+    kinds = fns.out_kinds
+
+    @custom_partitioning
+    def call(x, *rows):
+        return tuple(fns.local(x, *rows))
+
+    def out_shardings(mesh, rows_axes, x_sharding):
+        return tuple(x_sharding if kind == LIKE_X else _row_sharding(mesh, rows_axes, nd)
+                     for kind, nd in zip(kinds, out_ndims))
+
+    def infer(mesh, arg_shapes, result_shape):
+        x = arg_shapes[0]
+        rows, vocab = _layout(mesh, x.shape, x.sharding, fns.vocab_parallel is not None)
+        x_sharding = NamedSharding(mesh, P(_entry(rows), _entry(vocab)))
+        return out_shardings(mesh, rows, x_sharding)
+
+    def partition(mesh, arg_shapes, result_shape):
+        x = arg_shapes[0]
+        use = fns if fallback is None or mesh.size == 1 else fallback
+        rows, vocab = _layout(mesh, x.shape, x.sharding, use.vocab_parallel is not None)
+        x_sharding = NamedSharding(mesh, P(_entry(rows), _entry(vocab)))
+        arg_shardings = (x_sharding,) + tuple(_row_sharding(mesh, rows, nd) for nd in in_ndims)
+
+        def lower(x, *rows_in):
+            if vocab:
+                return tuple(use.vocab_parallel(x, *rows_in, axes=vocab))
+            return tuple(use.local(x, *rows_in))
+
+        return mesh, lower, out_shardings(mesh, rows, x_sharding), arg_shardings
+
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                       sharding_rule=_rule(in_ndims, list(zip(kinds, out_ndims))))
+    return call
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def match_varying(out, like):
+    """`out` with the varying manual axes of `like` (a custom_vjp cotangent must carry its
+    primal's type inside shard_map; kernel outputs carry none)."""
+    return _pcast_to(out, varying_axes(like))
+
+
+def _pcast_to(out, axes: frozenset):
+    missing = tuple(sorted(axes - varying_axes(out)))
+    if not missing:
+        return out
+    return jax.lax.pcast(out, missing, to="varying")
+
+
+def _explicit_axes(x) -> bool:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+        return False
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def call_rows(fns: RowFns, fallback: RowFns | None, x, *rows, vocab_axis=None):
+    """Runs an op's row function so that it partitions without gathering the logits.
+
+    Inside shard_map (`x` varies over manual axes) the row function runs on the local shard,
+    with `vocab_axis` (a mesh axis name or tuple of names) marking the vocabulary as sliced
+    across those axes. Elsewhere the custom-partitioned form runs; with Explicit mesh axes it
+    runs in Auto mode and its outputs get the shardings the rule gives.
+    """
+    vocab_axes = _axes(vocab_axis)
+    if varying_axes(x) or vocab_axes:
+        if vocab_axes:
+            if fns.vocab_parallel is None:
+                raise NotImplementedError("this op has no vocabulary-parallel form")
+            outs = fns.vocab_parallel(x, *rows, axes=vocab_axes)
+        else:
+            outs = fns.local(x, *rows)
+        row_axes = varying_axes(x) - frozenset(vocab_axes)
+        return tuple(match_varying(o, x) if kind == LIKE_X else _pcast_to(o, row_axes)
+                     for o, kind in zip(outs, fns.out_kinds))
+    plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, *rows)]
+    avals = jax.eval_shape(lambda *a: tuple(fns.local(*a)), *plain)
+    fn = partitioned(fns, fallback, tuple(r.ndim for r in rows), tuple(a.ndim for a in avals))
+    fn = rowwise(fn)
+    if not _explicit_axes(x):
+        return fn(x, *rows)
+    spec = tuple(jax.typeof(x).sharding.spec)
+    spec = spec + (None,) * (2 - len(spec))
+    outs_spec = tuple(P(*spec) if kind == LIKE_X else P(spec[0], *([None] * (a.ndim - 1)))
+                      for kind, a in zip(fns.out_kinds, avals))
+    return jax.sharding.auto_axes(fn, out_sharding=outs_spec)(x, *rows)
+
+
+def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:
+    """Makes `fn(*arrays)`, whose arrays and outputs all lead with one row axis, vmappable by
+    folding the batch axis into rows (jax-triton and custom_partitioning have no batching
+    rule). A size-0 batch gives empty outputs without calling `fn`."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        flat = []
+        for a, batched in zip(args, in_batched):
+            if not batched:
+                a = jax.numpy.broadcast_to(a, (axis_size,) + a.shape)
+            flat.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
+        outs = wrapped(*flat)
+        outs = tuple(o.reshape((axis_size, o.shape[0] // max(axis_size, 1)) + o.shape[1:])
+                     for o in outs)
+        return outs, tuple(True for _ in outs)
+
+    return wrapped
+
+
+def slice_offset(vocab_local: int, axes: tuple[str, ...]):
+    """First global column of this device's vocabulary slice (int32)."""
+    return (jax.lax.axis_index(axes) * vocab_local).astype(jax.numpy.int32)
+
+
+def global_vocab(vocab_local: int, axes: tuple[str, ...]) -> int:
+    return vocab_local * jax.lax.axis_size(axes)
+
+
+def merge_across(axes: tuple[str, ...], m, s, u=None, sums: Sequence[jax.Array] = ()):
+    """Merges per-device softmax partials over the mesh `axes` with two O(N) all-reduces (a max,
+    then one sum of every column): (max, sum exp(z - max)[, sum (z - max) exp(z - max)]) merged
+    as in `merge_partials` (a partial whose max is -inf is the identity), plain `sums` added.
+    Returns (m, s, u or None, *sums), replicated over `axes`."""
+    jnp = jax.numpy
+    m_all = jax.lax.pmax(m, axes)
+    ref = jnp.where(jnp.isneginf(m_all), 0.0, m_all)
+    dead = jnp.isneginf(m)
+    shift = jnp.where(dead, 0.0, m) - ref
+    w = jnp.where(dead, 0.0, jnp.exp(shift))
+    cols = [jnp.where(dead, 0.0, s) * w]
+    if u is not None:
+        cols.append(jnp.where(dead, 0.0, w * (u + shift * s)))
+    total = jax.lax.psum(jnp.stack(cols + list(sums), axis=-1), axes)
+    u_out = total[..., 1] if u is not None else None
+    rest = total[..., len(cols):]
+    return (m_all, total[..., 0], u_out) + tuple(rest[..., i] for i in range(len(sums)))

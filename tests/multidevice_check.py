@@ -1,0 +1,178 @@
+"""Run as a script with N CPU devices (or on GPUs): every op under every sharding layout, against
+the single-device result. Prints one line per case, `OK ...` or `FAIL ...`; exits 1 on a FAIL.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.multidevice_check xla
+
+Layouts: tokens sharded, vocabulary sharded, both (2-D mesh), replicated; under jax.jit with
+NamedSharding (Auto axes and Explicit axes) and inside jax.shard_map (with vocab_axis).
+Checks: loss and gradient equal the single-device ones, the gradient keeps the logits'
+sharding, and the compiled HLO moves nothing of the logits' size between devices.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+if os.environ.get("JFL_CHECK_INTERPRET") == "1":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_fusedloss as jfl  # noqa: E402
+
+COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\b(all-gather|all-to-all|collective-permute|"
+                        r"all-reduce|reduce-scatter)\(")
+
+
+def ops(n: int, vocab: int, k: int, dtype):
+    """name -> (loss(x, aux, impl, vocab_axis, reduction), aux arrays laid out by rows)."""
+    keys = jax.random.split(jax.random.key(7), 6)
+    labels = jax.random.randint(keys[0], (n,), 0, vocab)
+    labels = labels.at[1].set(-100).at[n // 2].set(vocab - 1).at[n // 2 + 1].set(0)
+    w = jax.random.normal(keys[1], (n,))
+    w2 = jax.random.normal(keys[2], (n,))
+    teacher = jax.random.normal(keys[3], (n, vocab)) * 2
+    lp, ids = jax.lax.top_k(jax.nn.log_softmax(teacher), k)
+    lp = lp.astype(jnp.float32)
+
+    def red(v, red_):
+        return jnp.sum(v) if red_ == "sum" else jnp.mean(v)
+
+    table = {
+        "cross_entropy": (lambda x, a, impl, va, r: jfl.cross_entropy(
+            x, a[0], reduction=r, label_smoothing=0.1, z_loss=1e-3, implementation=impl,
+            vocab_axis=va), (labels,)),
+        "cross_entropy_softcap_none": (lambda x, a, impl, va, r: jnp.sum(jfl.cross_entropy(
+            x, a[0], reduction="none", logit_softcap=5.0, implementation=impl,
+            vocab_axis=va) * a[1]), (labels, w)),
+        "logsumexp": (lambda x, a, impl, va, r: red(jfl.logsumexp(
+            x, temperature=0.7, implementation=impl, vocab_axis=va) * a[0], r), (w,)),
+        "entropy": (lambda x, a, impl, va, r: red(jfl.entropy(
+            x, implementation=impl, vocab_axis=va) * a[0], r), (w,)),
+        "token_logprobs": (lambda x, a, impl, va, r: red(_logp_and_entropy(
+            x, a, impl, va), r), (jnp.maximum(labels, 0), w, w2)),
+        "kd_loss_full": (lambda x, a, impl, va, r: jfl.kd_loss(
+            x, a[0], a[1], temperature=2.0, reduction="sum", implementation=impl,
+            vocab_axis=va), (ids, lp)),
+        "kd_loss_topk": (lambda x, a, impl, va, r: jfl.kd_loss(
+            x, a[0], a[1], normalize="topk", reduction="sum", implementation=impl,
+            vocab_axis=va), (ids, lp)),
+        "distill_loss": (lambda x, a, impl, va, r: jfl.distill_loss(
+            x, a[2], a[0], a[1], alpha=0.3, temperature=1.5, reduction="sum",
+            implementation=impl, vocab_axis=va), (ids, lp, labels)),
+    }
+    return table
+
+
+def _logp_and_entropy(x, a, impl, vocab_axis):
+    logp, ent = jfl.token_logprobs(x, a[0], return_entropy=True, implementation=impl,
+                                   vocab_axis=vocab_axis)
+    return logp * a[1] + ent * a[2]
+
+
+def big_collectives(hlo: str, limit: int) -> list[str]:
+    """Collectives in compiled HLO whose result holds at least `limit` elements."""
+    out = []
+    for m in COLLECTIVE.finditer(hlo):
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        if int(np.prod(dims)) >= limit:
+            out.append(m.group(0)[:120])
+    return out
+
+
+def main(impl: str, only: str | None = None) -> int:
+    n_dev = len(jax.devices())
+    model = 2 if n_dev >= 2 else 1
+    data = n_dev // model
+    n, vocab, k = 16, 96, 5
+    if os.environ.get("JFL_CHECK_BIG") == "1":
+        n, vocab, k = 4096, 128256, 16
+    dtype = jnp.bfloat16 if os.environ.get("JFL_CHECK_BIG") == "1" else jnp.float32
+    x = (jax.random.normal(jax.random.key(0), (n, vocab)) * 2).astype(dtype)
+    failures = 0
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    for name, (loss, aux) in ops(n, vocab, k, dtype).items():
+        if only and only not in name:
+            continue
+        ref_v, ref_g = jax.jit(jax.value_and_grad(
+            lambda x, *a: loss(x, a, impl, None, "mean")))(x, *aux)
+        ref_g = np.asarray(ref_g, np.float32)
+        scale = max(float(np.abs(ref_g).max()), 1e-30)
+
+        def check(tag, v, g, extra=""):
+            nonlocal failures
+            dv = float(abs(float(v) - float(ref_v)))
+            dg = float(np.abs(np.asarray(g, np.float32) - ref_g).max()) / scale
+            ok = dv <= tol * max(1.0, abs(float(ref_v))) and dg <= tol * 10 and not extra
+            failures += not ok
+            print(f"{'OK' if ok else 'FAIL'} {name} {impl} {tag}: |dv|={dv:.2e} "
+                  f"|dg|/max={dg:.2e} {extra}", flush=True)
+
+        for axis_type in (AxisType.Auto, AxisType.Explicit):
+            mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=(axis_type,) * 2)
+            for spec in (P("data", None), P(None, "model"), P("data", "model"), P(None, None)):
+                xs = jax.device_put(x, NamedSharding(mesh, spec))
+                aux_s = [jax.device_put(a, NamedSharding(mesh, P(spec[0], *([None] * (a.ndim - 1)))))
+                         for a in aux]
+                f = jax.jit(jax.value_and_grad(lambda x, *a: loss(x, a, impl, None, "mean")))
+                try:
+                    if axis_type == AxisType.Explicit:
+                        with jax.set_mesh(mesh):
+                            v, g = f(xs, *aux_s)
+                            hlo = f.lower(xs, *aux_s).compile().as_text()
+                    else:
+                        v, g = f(xs, *aux_s)
+                        hlo = f.lower(xs, *aux_s).compile().as_text()
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    failures += 1
+                    print(f"FAIL {name} {impl} jit {axis_type.name} {spec}: "
+                          f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                extra = ""
+                if not g.sharding.is_equivalent_to(xs.sharding, 2):
+                    extra += f"grad sharding {g.sharding.spec} != {spec} "
+                big = big_collectives(hlo, n * vocab // (data * model))
+                if big:
+                    extra += f"big collectives {big[:2]}"
+                check(f"jit {axis_type.name} {spec}", v, g, extra)
+        mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+        for spec, va in ((P("data", None), None), (P("data", "model"), "model"),
+                         (P(None, "model"), "model")):
+            aux_specs = tuple(P(spec[0], *([None] * (a.ndim - 1))) for a in aux)
+
+            def body(x, *a):
+                v, g = jax.value_and_grad(lambda x: loss(x, a, impl, va, "sum"))(x)
+                return (jax.lax.psum(v, "data") if spec[0] else v), g
+
+            try:
+                sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) + aux_specs,
+                                           out_specs=(P(), spec)))
+                put = [jax.device_put(a, NamedSharding(mesh, sp))
+                       for a, sp in zip((x,) + tuple(aux), (spec,) + aux_specs)]
+                with jax.set_mesh(mesh):
+                    v, g = sm(*put)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"FAIL {name} {impl} shard_map {spec}: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                continue
+            sum_v, sum_g = jax.jit(jax.value_and_grad(
+                lambda x, *a: loss(x, a, impl, None, "sum")))(x, *aux)
+            dv = abs(float(v) - float(sum_v))
+            gs = np.asarray(sum_g, np.float32)
+            dg = float(np.abs(np.asarray(g, np.float32) - gs).max()) / max(
+                float(np.abs(gs).max()), 1e-30)
+            ok = dv <= tol * max(1.0, abs(float(sum_v))) and dg <= tol * 10
+            failures += not ok
+            print(f"{'OK' if ok else 'FAIL'} {name} {impl} shard_map {spec}: |dv|={dv:.2e} "
+                  f"|dg|/max={dg:.2e}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
