@@ -187,7 +187,7 @@ def _make_step(loss_fn: LossFn):
 
 
 def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
-          aux: Any = None, desc: str = "train") -> dict:
+          aux: Any = None, desc: str = "train", loss_label: str = "loss") -> dict:
     """Trains `model` in place on `data` and returns its history.
 
     Batches depend only on `cfg.seed`, so two runs with one seed see the same data in the same
@@ -196,6 +196,10 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
     training loss over the last 10% of the steps (at most 10) for less batch-to-batch noise.
     tokens/s counts every input position of a batch, padding included, and leaves out the
     first (compiling) step and the evaluations.
+
+    The progress bar shows the steps done, the training loss of the latest step (named
+    `loss_label`: say what the objective is when it is not the plain cross-entropy), the
+    latest validation loss with the step it was measured after (`val=4.83@300`), and tokens/s.
     """
     optimizer = make_optimizer(model, cfg)
     step_fn = _make_step(loss_fn)
@@ -208,10 +212,13 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
     train_time, timed_steps, last_sync = 0.0, 0, 1
     t0 = time.perf_counter()
     start = time.perf_counter()
-    bar = tqdm(range(1, cfg.steps + 1), desc=desc, disable=not cfg.progress, dynamic_ncols=True)
-    for step in bar:
+    bar = tqdm(total=cfg.steps, desc=desc, disable=not cfg.progress, dynamic_ncols=True)
+    postfix = {loss_label: "", "val": f"{val_curve[0][1]:.3f}@0", "tok_s": ""}
+    pending = 0  # steps done but not yet counted on the bar
+    for step in range(1, cfg.steps + 1):
         x, y = next(stream)
         losses.append(step_fn(model, optimizer, aux, x, y))
+        pending += 1
         if step == 1 or step % cfg.log_every == 0 or step % eval_every == 0 or step == cfg.steps:
             loss = float(losses[-1])  # waits for the step to finish
             now = time.perf_counter()
@@ -219,12 +226,15 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
                 train_time += now - start
                 timed_steps += step - last_sync
             last_sync = step
-            tok_s = timed_steps * tokens_per_step / train_time if train_time else float("nan")
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+            tok_s = f"{timed_steps * tokens_per_step / train_time:,.0f}" if train_time else "-"
+            postfix.update({loss_label: f"{loss:.3f}", "tok_s": tok_s})
             if step % eval_every == 0 or step == cfg.steps:
                 val = evaluate(model, data.val_inputs, data.val_labels, eval_batch)
                 val_curve.append((step, val))
-                bar.set_postfix(loss=f"{loss:.3f}", val=f"{val:.3f}", tok_s=f"{tok_s:,.0f}")
+                postfix["val"] = f"{val:.3f}@{step}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(pending)  # the count and the numbers beside it are of the same step
+            pending = 0
             start = time.perf_counter()
     bar.close()
     train_losses = [float(v) for v in losses]

@@ -150,10 +150,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     students = {}
     objectives = {"distilled": (distill_objective(args.k, args.alpha, args.temperature), teacher),
                   "baseline": (_common.ce_objective("fused", 0.0), None)}
+    labels = {"distilled": f"{args.alpha:g}*ce+{1 - args.alpha:g}*kd", "baseline": "ce"}
     for name, (objective, aux) in objectives.items():
         student = _common.TransformerLM(student_cfg, rngs=nnx.Rngs(args.seed))
         runs[name] = _common.train(student, objective, data, train_cfg, aux=aux,
-                                   desc=f"student ({name})")
+                                   desc=f"student ({name})", loss_label=labels[name])
         students[name] = _summary(runs[name], student)
 
     metrics = dict(

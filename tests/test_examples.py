@@ -92,7 +92,27 @@ def test_train_lm_ab_flag_same_first_loss(tmp_path, cache_dir):
 
 @pytest.mark.skipif(not hasattr(jax_fusedloss, "distill_loss"),
                     reason="jax_fusedloss.distill_loss is not available")
-def test_distill_smoke(tmp_path, cache_dir):
+def test_progress_bar_counts_the_step_its_numbers_are_from(tmp_path, cache_dir, capsys):
+    argv = [a for a in _tiny(tmp_path, cache_dir, "--steps", "4") if a != "--no-progress"]
+    train_lm.main(argv)
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    last = [line for line in bar if "4/4" in line][-1]
+    assert "val=" in last and "@4" in last and "loss=" in last, bar
+    for line in bar:  # a validation loss is shown with the step count it was measured at
+        if "@" in line and "/4" in line:
+            done = line.split("/4")[0].split()[-1]
+            assert line.split("@")[1].startswith(("0", done)), line
+
+
+def test_distill_smoke(tmp_path, cache_dir, monkeypatch):
+    labels = []
+    train = _common.train
+
+    def spy(*args, **kwargs):
+        labels.append((kwargs.get("desc"), kwargs.get("loss_label", "loss")))
+        return train(*args, **kwargs)
+
+    monkeypatch.setattr(_common, "train", spy)
     metrics = distill.main(_tiny(tmp_path, cache_dir, "--teacher-steps", "10", "--steps", "6",
                                  "--teacher-d-model", "64", "--d-model", "32", "--k", "8"))
     for name in ("distilled", "baseline"):
@@ -103,3 +123,5 @@ def test_distill_smoke(tmp_path, cache_dir):
     first = {name: s["first_val_loss"] for name, s in metrics["students"].items()}
     assert first["distilled"] == first["baseline"], "students must start from one init"
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "loss_curves.png").exists()
+    assert labels == [("teacher", "loss"), ("student (distilled)", "0.5*ce+0.5*kd"),
+                      ("student (baseline)", "ce")], labels
