@@ -24,6 +24,7 @@ def distill_loss(
     num_items: int | jax.Array | None = None,
     temperature_squared: bool = False,
     implementation: str | None = None,
+    vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     r"""`alpha * cross_entropy + (1 - alpha) * kd_loss`, reading the student logits once.
 
@@ -67,6 +68,8 @@ def distill_loss(
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
       temperature_squared: multiply the KD term by T**2.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
+        vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); its gradient w.r.t. `student_logits`
@@ -96,7 +99,7 @@ def distill_loss(
     y = labels.reshape(-1).astype(jnp.int32)
     active = y != ignore_index
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
-                                            active)
+                                            active, vocab_axis)
     n = x.shape[0]
     if n == 0:
         return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
@@ -106,6 +109,7 @@ def distill_loss(
         ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
         kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
-    opts = KDOptions(t, normalize, reduction, True, int(ignore_index), "")
+    opts = KDOptions(t, normalize, reduction, True, int(ignore_index), "",
+                     _common.check_axis_name(vocab_axis))
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -6,12 +6,13 @@ folded into the same pass over the student logits.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _triton_jax
+from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss.cross_entropy import scale_rows
 
@@ -25,6 +26,7 @@ class KDOptions(NamedTuple):
     distill: bool  # a label cross-entropy term is part of the row loss (distill_loss)
     ignore_index: int
     implementation: str
+    vocab_axis: str | tuple[str, ...] | None = None
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -74,38 +76,97 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
     return _triton_jax.rowwise(body)(x, ids, lp, y, row_scale)
 
 
+# ----------------------------------------------------------------------------- row functions
+def _vp_gathers(x, ids, y, opts: KDOptions, axes):
+    """Slice offset, global vocabulary, merged lses, x[ids] and x[y] of a vocabulary slice."""
+    vocab = x.shape[1]
+    off = _sharding.slice_offset(vocab, axes)
+    lses = _xla_kd.vocab_lse(x, _xla_kd.lse_scales(opts)) if _xla_kd.lse_scales(opts) else ()
+    xk = _xla_kd.slice_gather(x, ids, off)
+    xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
+    ones = [jnp.ones_like(a) for a in lses]
+    merged = [_sharding.merge_across(axes, a, o, sums=(xy, *xk.T) if i == 0 else ())
+              for i, (a, o) in enumerate(zip(lses, ones))]
+    if merged:
+        xy, xk = merged[0][3], jnp.stack(merged[0][4:], axis=1)
+    else:
+        xy, xk = jax.lax.psum((xy, xk), axes)
+    lses = tuple(_xla_chunks.lse_from_stats(m[0], m[1]) for m in merged)
+    return off, _sharding.global_vocab(vocab, axes), lses, xk, xy
+
+
+def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
+    """fwd: (x, ids, lp, y, row_scale) -> (loss, stats); fwd_grad adds the unit-cotangent
+    gradient; bwd: (x, ids, lp, y, stats) -> grad. The vocabulary-parallel forms run the XLA
+    formulation on each slice: statistics merged with O(N) all-reduces, x at the teacher ids
+    with one O(N*K) all-reduce."""
+    if impl == "triton":
+        def fwd(x, ids, lp, y, rs):
+            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=False)
+
+        def fwd_grad(x, ids, lp, y, rs):
+            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=True)
+    else:
+        def fwd(x, ids, lp, y, rs):
+            return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts)
+
+        def fwd_grad(x, ids, lp, y, rs):
+            loss, stats = fwd(x, ids, lp, y, rs)
+            return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
+
+    def fwd_vp(x, ids, lp, y, rs, axes):
+        _, vocab, lses, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, lses=lses, xk=xk, xy=xy)
+
+    def bwd_vp(x, ids, lp, y, stats, axes):
+        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+        return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
+
+    def fwd_grad_vp(x, ids, lp, y, rs, axes):
+        loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
+        return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
+
+    def scale(g, cot):
+        if impl == "triton":
+            return (scale_rows(g, cot),)
+        return ((g.astype(jnp.float32) * cot[:, None]).astype(g.dtype),)
+
+    R, X = _sharding.ROW, _sharding.LIKE_X
+    return dict(
+        fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
+        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
+        bwd=_sharding.RowFns(lambda x, ids, lp, y, st: (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),),
+                             bwd_vp, (X,)),
+        scale=_sharding.RowFns(scale, lambda g, c, axes: scale(g, c), (X,)),
+    )
+
+
+def _call(opts: KDOptions, role: str, *arrays):
+    fns = _row_fns(opts, opts.implementation)[role]
+    fallback = None
+    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
+        fallback = _row_fns(opts, "xla")[role]
+    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+
+
 # ----------------------------------------------------------------------------- custom_vjp
-class _Backend(NamedTuple):
-    rows_fwd: Callable  # (x, ids, lp, y, row_scale, opts) -> (loss [N], stats [N, 5])
-    rows_bwd: Callable | None  # (x, ids, lp, y, stats, opts) -> grad
-    rows_fwd_grad: Callable | None  # like rows_fwd, plus the unit-cotangent gradient
-
-
-_BACKENDS = {
-    "triton": _Backend(functools.partial(_triton_rows_fwd, write_grad=False), None,
-                       functools.partial(_triton_rows_fwd, write_grad=True)),
-    "xla": _Backend(_xla_kd.rows_fwd, _xla_kd.rows_bwd, None),
-}
-
-
 def _reduce(loss_rows, opts: KDOptions):
     return loss_rows if opts.reduction == "none" else jnp.sum(loss_rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
-    loss, _ = _BACKENDS[opts.implementation].rows_fwd(x, ids, lp, y, row_scale, opts)
+    loss, _ = _call(opts, "fwd", x, ids, lp, y, row_scale)
     return _reduce(loss, opts)
 
 
 def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
-    backend = _BACKENDS[opts.implementation]
-    if backend.rows_fwd_grad is not None:
+    if opts.implementation == "triton":
         # One read of the logits for loss and gradient; the backward only rescales rows whose
         # cotangent is not exactly 1.
-        loss, _, grad = backend.rows_fwd_grad(x, ids, lp, y, row_scale, opts)
+        loss, _, grad = _call(opts, "fwd_grad", x, ids, lp, y, row_scale)
         return _reduce(loss, opts), (grad, None, None, None, None, None)
-    loss, stats = backend.rows_fwd(x, ids, lp, y, row_scale, opts)
+    loss, stats = _call(opts, "fwd", x, ids, lp, y, row_scale)
     return _reduce(loss, opts), (None, x, ids, lp, y, stats)
 
 
@@ -115,10 +176,10 @@ def _kd_bwd(opts: KDOptions, res, g):
     g = g.astype(jnp.float32)
     cot = g if opts.reduction == "none" else jnp.broadcast_to(g, (n,))
     if grad is not None:
-        grad = scale_rows(grad, cot)
+        grad = _call(opts, "scale", grad, cot)[0]
     else:
         stats = stats.at[:, 3:5].multiply(cot[:, None])
-        grad = _BACKENDS[opts.implementation].rows_bwd(x, ids, lp, y, stats, opts)
+        grad = _call(opts, "bwd", x, ids, lp, y, stats)[0]
     return grad, None, None, None, None
 
 
@@ -185,11 +246,15 @@ def check_options(temperature, normalize, reduction, num_items, implementation) 
     return t
 
 
-def prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
+def prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask, active=None,
+                    vocab_axis=None):
     """Rows [N, V], int32 ids [N, K] with -1 at every entry that does not count (masked, out
     of [0, V), or in an inactive row), float32 log-probs [N, K] and whether each row has a
     counting entry [N]."""
-    vocab, k = student_logits.shape[-1], teacher_ids.shape[-1]
+    k = teacher_ids.shape[-1]
+    vocab = student_logits.shape[-1]
+    if vocab_axis is not None:  # inside shard_map: the logits are one slice of the vocabulary
+        vocab *= jax.lax.axis_size(vocab_axis)
     ids = teacher_ids.reshape(-1, k)
     valid = (ids >= 0) & (ids < vocab)
     if mask is not None:
@@ -220,6 +285,7 @@ def kd_loss(
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
     implementation: str | None = None,
+    vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
     r"""Forward KL(teacher || student) over the teacher's top-K tokens, fused over the vocabulary.
 
@@ -261,6 +327,9 @@ def kd_loss(
       num_items: the denominator of "mean" (an int >= 1 or a positive scalar array), e.g. the
         token count of a whole accumulated batch when this call sees one micro-batch.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
+      vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
+        vocabulary (see `cross_entropy`); teacher ids stay global. Under `jax.jit` the op
+        partitions itself.
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); its gradient w.r.t. `student_logits`
@@ -282,7 +351,8 @@ def kd_loss(
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
     lead = student_logits.shape[:-1]
-    x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask)
+    x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
+                                            vocab_axis=vocab_axis)
     n = x.shape[0]
     if n == 0:
         return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
@@ -290,6 +360,6 @@ def kd_loss(
     if reduction == "mean":
         scale = 1.0 / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
-    opts = KDOptions(t, normalize, reduction, False, -1, "")
+    opts = KDOptions(t, normalize, reduction, False, -1, "", _common.check_axis_name(vocab_axis))
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -43,9 +43,10 @@ def vocab_lse(x: jax.Array, scales: tuple[float, ...]) -> tuple[jax.Array, ...]:
                  for m, s in jax.lax.fori_loop(0, count, body, carry_like(x, init)))
 
 
-def _entries(x, ids, lp, y, opts):
-    """(valid, p, x[ids] float32, active, bad) for [N, K] teacher entries."""
-    vocab = x.shape[1]
+def _entries(x, ids, lp, y, opts, vocab=None, xk=None):
+    """(valid, p, x[ids] float32, active, bad) for [N, K] teacher entries; `vocab` is the
+    global vocabulary and `xk` the gathered logits when x is one slice of it."""
+    vocab = x.shape[1] if vocab is None else vocab
     valid = (ids >= 0) & (ids < vocab)
     if opts.distill:
         ignored, bad = label_state(y, vocab, opts.ignore_index)
@@ -55,19 +56,37 @@ def _entries(x, ids, lp, y, opts):
         active = jnp.ones(ids.shape[:1], bool)
         bad = jnp.zeros(ids.shape[:1], bool)
     p = jnp.where(valid, jnp.exp(lp), 0.0)
-    xk = jnp.take_along_axis(x, jnp.where(valid, ids, 0), axis=1).astype(jnp.float32)
+    if xk is None:
+        xk = jnp.take_along_axis(x, jnp.where(valid, ids, 0), axis=1).astype(jnp.float32)
     return valid, p, xk, active, bad
 
 
-def rows_fwd(x, ids, lp, y, row_scale, opts):
-    """Per-row loss [N] and stats [N, 5] = (lse(x), L, P, ce_a, kd_a); see kernels/kd.py."""
+def slice_gather(x, cols, offset):
+    """x[row, cols - offset] in float32 where that column lies in this slice, else 0 ([N, K])."""
+    local = cols - offset
+    inside = (local >= 0) & (local < x.shape[1])
+    got = jnp.take_along_axis(x, jnp.where(inside, local, 0), axis=1).astype(jnp.float32)
+    return jnp.where(inside, got, 0.0)
+
+
+def lse_scales(opts) -> tuple[float, ...]:
+    """The scales s of the logsumexp(x * s) over the vocabulary that rows_fwd needs."""
+    return (1.0,) * opts.distill + (1.0 / opts.temperature,) * kd_stats_needed(opts)
+
+
+def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, lses=None, xk=None, xy=None):
+    """Per-row loss [N] and stats [N, 5] = (lse(x), L, P, ce_a, kd_a); see kernels/kd.py.
+
+    For one vocabulary slice of `vocab` columns, pass the merged `lses` (one per lse_scales),
+    the teacher ids' logits `xk` and the labels' logits `xy`."""
     inv_temp = 1.0 / opts.temperature
     kd_stats = kd_stats_needed(opts)
-    scales = (1.0,) * opts.distill + (inv_temp,) * kd_stats
-    lses = vocab_lse(x, scales) if scales else ()
+    scales = lse_scales(opts)
+    if lses is None:
+        lses = vocab_lse(x, scales) if scales else ()
     neg = jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
     lse_x = lses[0] if opts.distill else neg
-    valid, p, xk, active, bad = _entries(x, ids, lp, y, opts)
+    valid, p, xk, active, bad = _entries(x, ids, lp, y, opts, vocab, xk)
     sk = xk * inv_temp
     if opts.normalize == "full":
         L = lses[-1] if kd_stats else lse_x
@@ -84,8 +103,9 @@ def rows_fwd(x, ids, lp, y, row_scale, opts):
     kd_a = jnp.where(active, row_scale[:, 1], 0.0)
     loss = kd_a * kd
     if opts.distill:
-        safe = jnp.clip(y, 0, x.shape[1] - 1)
-        xy = jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0].astype(jnp.float32)
+        if xy is None:
+            safe = jnp.clip(y, 0, x.shape[1] - 1)
+            xy = jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0].astype(jnp.float32)
         loss = loss + jnp.where(active, ce_a * (lse_x - xy), 0.0)
         loss = jnp.where(bad, jnp.nan, loss)
     return loss, jnp.stack([lse_x, L, P, ce_a, kd_a], axis=1)
@@ -104,23 +124,27 @@ def _duplicate_sums(ids, valid, p):
     return jax.lax.fori_loop(0, ids.shape[1], body, carry_like(ids, (zeros, zeros)))
 
 
-def rows_bwd(x, ids, lp, y, stats, opts):
-    """Gradient w.r.t. x for per-row weights stats[:, 3:5] (cotangent already folded in)."""
-    n, vocab = x.shape
+def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
+    """Gradient w.r.t. x for per-row weights stats[:, 3:5] (cotangent already folded in).
+
+    For one vocabulary slice starting at column `offset` of `vocab`, pass the teacher ids'
+    logits `xk` (gathered over all slices); ids and labels stay global."""
+    n = x.shape[0]
     inv_temp = 1.0 / opts.temperature
     full = opts.normalize == "full"
     lse_x, L, P, ce_a, kd_a = (stats[:, i] for i in range(5))
     lse_safe = jnp.where(jnp.isneginf(lse_x), 0.0, lse_x)
     L_safe = jnp.where(jnp.isneginf(L), 0.0, L)
-    valid, p, xk, _, bad = _entries(x, ids, lp, y, opts)
+    valid, p, xk, _, bad = _entries(x, ids, lp, y, opts, vocab, xk)
     coef_s = kd_a * inv_temp * P
+    y_local = y - offset
 
     def chunk_grad(cols, xc):
         z = xc.astype(jnp.float32)
         g = jnp.zeros(z.shape, jnp.float32)
         if opts.distill:
             g = ce_a[:, None] * (jnp.exp(z - lse_safe[:, None])
-                                 - (cols[None, :] == y[:, None]))
+                                 - (cols[None, :] == y_local[:, None]))
         if full:
             g = g + coef_s[:, None] * jnp.exp(z * inv_temp - L_safe[:, None])
         return jnp.where(bad[:, None], jnp.nan, g)
@@ -136,5 +160,6 @@ def rows_bwd(x, ids, lp, y, stats, opts):
     if opts.distill:
         g = g + ce_a[:, None] * (jnp.exp(xk - lse_safe[:, None]) - (ids == y[:, None]))
         g = jnp.where(bad[:, None], jnp.nan, g)
-    cols = jnp.where(valid, ids, vocab)
+    local = ids - offset
+    cols = jnp.where(valid & (local >= 0) & (local < x.shape[1]), local, x.shape[1])
     return grad.at[jnp.arange(n)[:, None], cols].set(g.astype(x.dtype), mode="drop")

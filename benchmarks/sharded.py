@@ -1,0 +1,117 @@
+"""Sharded cross-entropy on every device present: jax_fusedloss against optax under the same
+sharding, and against our own op on one device at the per-device token count.
+
+    python -m benchmarks.sharded --out out/sharded      # on 1, 2, ... GPUs
+
+For each layout (tokens sharded, vocabulary sharded, and a 2-D mesh when there are 4 or more
+devices) it times `jit(value_and_grad(loss))` (median of host-clock runs with
+block_until_ready, after a warm-up) and reads from the compiled HLO the bytes each device
+sends through collectives (sum of collective result sizes) and XLA's temp allocation. Rows
+go to `<out>/sharded.csv` with device, versions and date.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import os
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_fusedloss as jfl
+
+COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\b(all-gather|all-to-all|collective-permute|"
+                        r"all-reduce|reduce-scatter)(?:-start)?\(")
+BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+
+
+def comm_bytes(hlo: str) -> int:
+    total = 0
+    for m in COLLECTIVE.finditer(hlo):
+        dims = [int(d) for d in m.group(2).split(",") if d]
+        total += int(np.prod(dims)) * BYTES.get(m.group(1), 4)
+    return total
+
+
+def time_ms(f, *args, reps: int = 20) -> float:
+    jax.block_until_ready(f(*args))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def losses():
+    return {
+        "jax_fusedloss": lambda x, y: jfl.cross_entropy(x, y),
+        "optax": lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean(),
+        "optax_fp32": lambda x, y: optax.softmax_cross_entropy_with_integer_labels(
+            x.astype(jnp.float32), y).mean(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out/sharded", help="folder for sharded.csv")
+    ap.add_argument("--tokens-per-device", type=int, default=8192, help="N per device")
+    ap.add_argument("--vocab", type=int, default=128256, help="V (llama3: 128256)")
+    args = ap.parse_args()
+    devs = jax.devices()
+    n_dev = len(devs)
+    n, vocab = args.tokens_per_device * n_dev, args.vocab
+    x = (jax.random.normal(jax.random.key(0), (n, vocab), jnp.float32) * 2).astype(jnp.bfloat16)
+    y = jax.random.randint(jax.random.key(1), (n,), 0, vocab)
+    rows = []
+    meta = dict(device=devs[0].device_kind, n_devices=n_dev, jax=jax.__version__,
+                date=datetime.date.today().isoformat(), N=n, V=vocab, dtype="bfloat16")
+
+    # One device, per-device token count: the reference for the sharded rows.
+    x1, y1 = x[: args.tokens_per_device], y[: args.tokens_per_device]
+    for name, loss in losses().items():
+        f = jax.jit(jax.value_and_grad(loss))
+        rows.append(dict(meta, layout="one_device", N=args.tokens_per_device, impl=name,
+                         ms=time_ms(f, x1, y1), comm_bytes=0,
+                         temp_bytes=f.lower(x1, y1).compile().memory_analysis()
+                         .temp_size_in_bytes))
+    layouts = {"tokens": ((n_dev, 1), P("data", None)), "vocab": ((1, n_dev), P(None, "model"))}
+    if n_dev >= 4:
+        layouts["2d"] = ((n_dev // 2, 2), P("data", "model"))
+    for layout, (shape, spec) in layouts.items():
+        mesh = jax.make_mesh(shape, ("data", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        ys = jax.device_put(y, NamedSharding(mesh, P(spec[0])))
+        for name, loss in losses().items():
+            f = jax.jit(jax.value_and_grad(loss))
+            compiled = f.lower(xs, ys).compile()
+            _, g = f(xs, ys)
+            rows.append(dict(meta, layout=layout, impl=name, ms=time_ms(f, xs, ys),
+                             comm_bytes=comm_bytes(compiled.as_text()),
+                             temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                             grad_sharding=str(g.sharding.spec)))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "sharded.csv")
+    keys = sorted({k for r in rows for k in r})
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    for r in rows:
+        print(f"{r['layout']:>10} {r['impl']:>14} N={r['N']:>6} {r['ms']:8.3f} ms "
+              f"comm {r['comm_bytes'] / 2**20:9.3f} MiB temp {r['temp_bytes'] / 2**30:6.3f} GiB "
+              f"{r.get('grad_sharding', '')}")
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Every op on a 4-device CPU mesh (and on the GPUs present, when marked gpu): tokens,
+vocabulary and both sharded, under jit (Auto and Explicit axes) and inside shard_map, against
+the single-device result, with no logits-sized collective in the compiled HLO and the
+gradient keeping the logits' sharding. The checks live in tests/multidevice_check.py and run
+in a subprocess, because the device count is fixed when jax starts (and a broken collective
+aborts the whole process)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(impl: str, env_extra: dict, timeout: int, only: str = "") -> str:
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **env_extra)
+    proc = subprocess.run([sys.executable, "-m", "tests.multidevice_check", impl]
+                          + ([only] if only else []), cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
+    assert proc.returncode == 0 and lines and all(ln.startswith("OK") for ln in lines), out
+    return out
+
+
+CPU4 = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+
+
+def test_four_cpu_devices_xla(interpreter):
+    out = _run("xla", CPU4, timeout=900)
+    assert out.count("OK ") == 8 * 11, out  # 8 ops x (8 jit layouts + 3 shard_map layouts)
+
+
+def test_four_cpu_devices_triton_interpreter(interpreter):
+    """One op per kernel family (the interpreter costs about 1 ms per program and loop step);
+    under jit over several CPU devices the XLA twin runs (see _sharding.py), inside shard_map
+    the interpreted kernels run on each device."""
+    out = _run("triton", dict(CPU4, JFL_CHECK_INTERPRET="1"), timeout=900,
+               only="cross_entropy,token_logprobs,distill_loss")
+    assert out.count("OK ") == 3 * 11, out
+
+
+@pytest.mark.gpu
+def test_gpus_compiled_kernels_large_vocab():
+    """Compiled kernels at V=128256 bf16 on every GPU present (a 1 x n mesh)."""
+    _run("triton", {"JFL_CHECK_BIG": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 900)
