@@ -111,8 +111,8 @@ def check_static_float(value, name: str, *, lo: float = -math.inf, hi: float = m
         raise TypeError(f"{name} must be a static Python number, got a traced value "
                         f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
                         f"float or mark it static, e.g. jax.jit(..., static_argnames=...)")
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be a number, not a bool")
+    if isinstance(value, (bool, str, bytes)):
+        raise TypeError(f"{name}={value!r} must be a number")
     try:
         f = float(value)
     except (TypeError, ValueError) as e:

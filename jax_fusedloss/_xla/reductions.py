@@ -20,13 +20,15 @@ def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
     A row whose largest partial max is +inf merges to m = +inf with s (and u) the sums of the
     +inf partials' own s (and u), taken relative to 0 as kernels/_online.safe_max does, so
     m + log(s) is +inf as jax.nn.logsumexp gives; finite partials add nothing to it. A NaN
-    anywhere in a row's partials makes its merged s NaN."""
+    in a row's partials (other than a -inf partial's s and u) makes its merged s NaN, also
+    where a NaN-dropping max hid it behind a finite partial max."""
     big = jnp.max(m, axis=axis, keepdims=True)
     top = jnp.isposinf(big)
     ref = jnp.where(jnp.isinf(big), 0.0, big)
-    dead = jnp.isneginf(m) | (top & jnp.isfinite(m))  # a NaN partial is never dead
-    shift = jnp.where(dead | jnp.isposinf(m), 0.0, m) - ref  # 0 for the +inf partials
-    w = jnp.where(dead, 0.0, jnp.exp(shift))
+    dead = jnp.isneginf(m)
+    hidden = top & jnp.isfinite(m)  # weight 0 under a +inf max, but a NaN s or u still counts
+    shift = jnp.where(dead | hidden | jnp.isposinf(m), 0.0, m) - ref  # 0 for +inf partials
+    w = jnp.where(dead | hidden, 0.0, jnp.exp(shift))
     s_out = jnp.sum(jnp.where(dead, 0.0, s) * w, axis=axis)
     m_out = jnp.squeeze(big, axis)
     if u is None:

@@ -10,7 +10,8 @@ import triton.language as tl
 def load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
     """Loads a tile and returns (z, dz/dx) in float32; masked lanes get z = -inf.
 
-    z = softcap * tanh(x * inv_temp / softcap) when HAS_SOFTCAP, else x * inv_temp.
+    z = softcap * tanh(x * inv_temp / softcap) when HAS_SOFTCAP (accurate for every softcap
+    > 0, see tanh_and_grad), else x * inv_temp.
     """
     return load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, "")
 
@@ -22,10 +23,9 @@ def load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.const
     x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
     x = x.to(tl.float32) * inv_temp
     if HAS_SOFTCAP:
-        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates cleanly to +-1 for large |u|.
-        t = 1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0)
+        t, dt = tanh_and_grad(x / softcap)
         z = softcap * t
-        dz = (1.0 - t * t) * inv_temp
+        dz = dt * inv_temp
     else:
         z = x
         dz = tl.zeros_like(x) + inv_temp
@@ -34,9 +34,32 @@ def load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.const
 
 
 @triton.jit
+def tanh_and_grad(u):
+    """(tanh(u), 1 - tanh(u)**2) to a few ulp for every float32 u (+-inf give +-1 and 0).
+
+    With e = exp(-2|u|) (never overflows): tanh|u| = (1 - e) / (1 + e) and
+    1 - tanh**2 = 4e / (1 + e)**2, without the cancellation of 1 - 2 / (exp(2u) + 1). Below
+    |u| = 1/4, where 1 - e would cancel, the odd Taylor series to u**9 (relative error < 1e-8).
+    A NaN u gives NaN.
+    """
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    u2 = u * u
+    small = a + a * u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0
+                                                                 + u2 * (62.0 / 2835.0))))
+    t_abs = tl.where(a < 0.25, small, big)
+    t = tl.where(u < 0.0, -t_abs, t_abs)
+    dt = tl.where(a < 0.25, 1.0 - t_abs * t_abs, 4.0 * e / ((1.0 + e) * (1.0 + e)))
+    return t, dt
+
+
+@triton.jit
 def safe_max(m):
-    """The max to subtract: 0 where a row has seen only -inf, so exp(-inf - 0) = 0, never NaN."""
-    return tl.where(m == float("-inf"), 0.0, m)
+    """The reference a sum is taken relative to: the running max m where it is finite, 0 where
+    m is -inf (a row that has seen only -inf: exp(-inf - 0) = 0, never NaN) or +inf (exp(+inf
+    - 0) = +inf, so the sum and the log-sum-exp become +inf, never NaN). A NaN m stays NaN."""
+    return tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
 
 
 @triton.jit
@@ -59,8 +82,17 @@ def tile_update(m, s, z):
 
 @triton.jit
 def stats_to_lse(m, s):
-    """log-sum-exp from (max, sum); -inf for a row with no finite entry."""
-    return tl.where(s > 0.0, safe_max(m) + tl.log(s), float("-inf"))
+    """log-sum-exp from (max, sum relative to safe_max(max)): -inf for a row with no entry
+    above -inf (s == 0), +inf for a row with a +inf entry and no NaN (s == +inf), NaN for a row
+    with a NaN entry (s is NaN: whatever a NaN-dropping max did, exp(NaN - m) reached s)."""
+    return tl.where(s == 0.0, float("-inf"), safe_max(m) + tl.log(s))
+
+
+@triton.jit
+def poison_inf(lse):
+    """lse with +inf replaced by NaN: a loss or gradient built on it is NaN (the NaN/+inf policy:
+    a row with a +inf logit has lse +inf but NaN loss and gradient; -inf and NaN unchanged)."""
+    return tl.where(lse == float("inf"), float("nan"), lse)
 
 
 @triton.jit

@@ -13,8 +13,8 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_tile, load_tile_hint, stats_to_lse,
-                                           tile_update)
+from jax_fusedloss.kernels._online import (hint_multiple, load_tile, load_tile_hint, poison_inf,
+                                           safe_max, stats_to_lse, tile_update)
 
 
 @triton.jit
@@ -52,8 +52,11 @@ def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
                    HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
     """Per-row loss and the unit-cotangent gradient coefficients (a, b, c).
 
-    A bad label makes `a` NaN, which turns the whole gradient row NaN without a per-element
-    check in the gradient loop."""
+    A bad label, or an lse that is NaN or +inf (a NaN or +inf logit), makes `a` NaN, which
+    turns the whole gradient row NaN without a per-element check in the gradient loop (also
+    for an ignored row, as autodiff of the naive formula gives); the loss is NaN too unless
+    the row is ignored."""
+    lse = poison_inf(lse)
     loss = (1.0 - smoothing) * (lse - zy)
     a = scale
     if HAS_SMOOTHING:
@@ -61,9 +64,11 @@ def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
     if HAS_ZLOSS:
         loss += z_loss * lse * lse
         a = scale * (1.0 + 2.0 * z_loss * lse)
+    nonfinite = lse != lse
+    loss = tl.where(nonfinite, float("nan"), loss)
     loss = tl.where(ignored, 0.0, loss)
     loss = tl.where(bad, float("nan"), loss)
-    a = tl.where(bad, float("nan"), a)
+    a = tl.where(bad | nonfinite, float("nan"), a)
     return loss, a, scale * (1.0 - smoothing), scale * smoothing / V
 
 
@@ -177,8 +182,7 @@ def ce_merge_kernel(
     m_i = tl.load(base, mask=valid, other=float("-inf"))
     s_i = tl.load(base + 1, mask=valid, other=0.0)
     m = tl.max(m_i, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.sum(s_i * tl.exp(m_i - m_safe), axis=0)
+    s = tl.sum(s_i * tl.exp(m_i - safe_max(m)), axis=0)
     sumz = tl.sum(tl.load(base + 2, mask=valid, other=0.0), axis=0)
     zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
     lse = stats_to_lse(m, s)

@@ -22,7 +22,8 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import hint_multiple, load_tile_hint, safe_max, stats_to_lse
+from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, poison_inf, safe_max,
+                                           stats_to_lse)
 from jax_fusedloss.kernels.cross_entropy import _label_state
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
@@ -230,7 +231,12 @@ def kd_fwd_kernel(
         zk = tl.where(valid, sk, float("-inf"))
         mk = tl.max(zk, axis=0)
         L = stats_to_lse(mk, tl.sum(tl.exp(zk - safe_max(mk)), axis=0))
-    kd = tl.sum(tl.where(p > 0.0, p * (lp - (sk - L)), 0.0), axis=0)
+    # NaN/+inf policy: a NaN or +inf logit in the row gives NaN statistics (poison_inf), so
+    # the loss and (through the offsets of _write_grad) the gradient row are NaN; an entry with
+    # p == 0 adds nothing, but a NaN teacher log-prob gives a NaN term.
+    lse_x = poison_inf(lse_x)
+    L = poison_inf(L)
+    kd = tl.sum(tl.where(p == 0.0, 0.0, p * (lp - (sk - L))), axis=0)
     P = tl.sum(p, axis=0)
     ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
     kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)

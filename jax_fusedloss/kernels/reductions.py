@@ -11,7 +11,9 @@ Gradient for per-row cotangents (g_lse, g_H, g_logp):
     dx_j = inv_temp * (p_j * (g_lse - g_logp - g_H * H) - g_H * p_j log p_j + g_logp [j == y]).
 
 Conventions: a row whose logits are all -inf has lse = -inf, H = NaN, logp = NaN and a zero
-gradient. A label outside [0, V) is never used as an address: its logp is NaN and its
+gradient. A row with a NaN logit has lse, H and logp NaN and an all-NaN gradient row; one
+with a +inf logit and no NaN has lse = +inf (as jax.nn.logsumexp), H and logp NaN and an
+all-NaN gradient row. A label outside [0, V) is never used as an address: its logp is NaN and its
 gradient row is NaN only where that row's g_logp is nonzero.
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton only.
@@ -74,14 +76,14 @@ def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr,
     """Writes a row's lse and, if asked, entropy and label log-prob from its merged partials."""
     lse = stats_to_lse(m, s)
     tl.store(lse_ptr + row, lse)
-    live = s > 0.0
+    finite = (lse > float("-inf")) & (lse < float("inf"))  # False for NaN too
     if HAS_ENTROPY:
-        s_safe = tl.where(live, s, 1.0)
-        ent = tl.where(live, tl.log(s_safe) - u / s_safe, float("nan"))
+        s_safe = tl.where(finite, s, 1.0)
+        ent = tl.where(finite, tl.log(s_safe) - u / s_safe, float("nan"))
         tl.store(ent_ptr + row, ent)
     if HAS_LABEL:
         bad = (label < 0) | (label >= V)
-        tl.store(logp_ptr + row, tl.where(bad | ~live, float("nan"), zy - lse))
+        tl.store(logp_ptr + row, tl.where(bad | ~finite, float("nan"), zy - lse))
 
 
 @triton.jit
@@ -191,6 +193,7 @@ def red_bwd_kernel(
         a -= b
         poison = ((label < 0) | (label >= V)) & (b != 0.0)
     a = tl.where(live, a, 0.0)
+    a = tl.where(lse == float("inf"), float("nan"), a)  # NaN lse: NaN p does it
     row_ptr = logits_ptr + row * stride_row
     for off in range(start, stop, BLOCK_V):
         cols = off + tl.arange(0, BLOCK_V)
