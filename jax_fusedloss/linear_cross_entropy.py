@@ -1,0 +1,324 @@
+"""Fused linear cross-entropy: hidden states and output projection to a loss, token chunk by
+token chunk, so that no `[N, V]` logits (or their gradient) outlive one chunk.
+
+Design (token chunks whose logits live briefly): for each chunk of `C` tokens,
+`logits = h_chunk @ W (+ b)` by XLA's matmul (cuBLAS on a GPU), then the cross-entropy row
+functions of `cross_entropy.py` give the chunk's per-token loss and the gradient w.r.t. its
+logits (the Triton forward writes that gradient in the same pass), then `dH_chunk = g @ W^T`
+and `dW += h_chunk^T @ g` (float32 accumulator), `db += sum_rows(g)`. Under differentiation
+the forward of the `custom_vjp` computes the loss *and* dH, dW, db in one loop over the
+chunks (three matmuls per chunk in all); the backward only scales them by the scalar cotangent
+of a "mean" or "sum" loss. A per-token cotangent ("none") or a differentiable lse
+(`return_lse`) cannot be folded into dW afterwards, so there the forward keeps only O(N)
+statistics and the backward recomputes each chunk's logits (four matmuls per chunk).
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common
+from jax_fusedloss.cross_entropy import CEOptions, _denominator, _row_cotangent, _row_fns
+
+LAYOUTS = ("dv", "vd")
+# The [C, V] logits and their gradient (both in the logits' dtype) of one chunk stay within
+# this budget: 512 MiB is 1024 rows at V=128256 in bf16, large enough that each chunk's
+# matmuls run at cuBLAS's full rate (M >= 1024) and small next to the float32 dW accumulator.
+CHUNK_BUDGET_BYTES = 512 << 20
+
+
+class LCEOptions(NamedTuple):
+    ce: CEOptions
+    layout: str
+    chunk: int
+    implementation: str
+
+
+def default_chunk_size(n: int, vocab: int, dim: int, dtype) -> int:
+    """Tokens per chunk: the largest power of two `C` (at least 8, at most N) with
+    `C * V * itemsize * 2 <= CHUNK_BUDGET_BYTES` (the chunk's logits and their gradient), or N
+    when all N tokens fit. Powers of two divide the usual token counts (no ragged tail) and
+    keep the matmuls' M dimension tile-aligned. `dim` does not change it: the chunk's
+    `[C, D]` slices of the hidden states are far smaller than its logits."""
+    del dim
+    per_row = 2 * vocab * jnp.dtype(dtype).itemsize
+    rows = max(1, CHUNK_BUDGET_BYTES // per_row)
+    if n <= rows:
+        return max(n, 1)
+    chunk = 8
+    while chunk * 2 <= rows:
+        chunk *= 2
+    return min(chunk, n)
+
+
+# ----------------------------------------------------------------------------- chunk algebra
+def _logits(h, w, b, layout: str):
+    """h [C, D] times W ([D, V] or [V, D], contracted in place: no transposed copy) + b."""
+    contract = ((1,), (0,)) if layout == "dv" else ((1,), (1,))
+    z = jax.lax.dot_general(h, w, (contract, ((), ())))
+    return z if b is None else z + b.astype(z.dtype)
+
+
+def _grads(h, w, g, layout: str):
+    """(dH [C, D] in h's dtype, dW contribution in float32 in W's layout) of logits grad g."""
+    contract = ((1,), (1,)) if layout == "dv" else ((1,), (0,))
+    dh = jax.lax.dot_general(g, w, (contract, ((), ())),
+                             preferred_element_type=jnp.float32).astype(h.dtype)
+    if layout == "dv":  # h^T g: [D, V]
+        dw = jax.lax.dot_general(h, g, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    else:  # g^T h: [V, D]
+        dw = jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+    return dh, dw
+
+
+def _chunks(n: int, chunk: int, body, init):
+    """Runs `carry = body(start, size, carry)` over the chunks of n rows: a fori_loop over the
+    full chunks (dynamic slices of the inputs, no copies) and one static call for the tail."""
+    full = n // chunk
+    carry = init
+    if full:
+        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * chunk, chunk, c), carry)
+    if n % chunk:
+        carry = body(full * chunk, n % chunk, carry)
+    return carry
+
+
+def _rows(a, start, size):
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+
+def _put(buf, start, val):
+    return jax.lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), start, axis=0)
+
+
+def _chunk_fns(opts: LCEOptions):
+    return _row_fns(opts.ce._replace(implementation=opts.implementation), opts.implementation)
+
+
+def _setup(h, y, opts: LCEOptions):
+    denom = _denominator(y, opts.ce)
+    return denom, jnp.broadcast_to(1.0 / denom, y.shape).astype(jnp.float32)
+
+
+def _accumulators(h, w, b, opts: LCEOptions, with_grads: bool):
+    n = h.shape[0]
+    f32 = jnp.float32
+    rows = (jnp.zeros((), f32) if opts.ce.reduction != "none" else jnp.zeros((n,), f32),
+            jnp.zeros((n,), f32), jnp.zeros((n, 3), f32))
+    if not with_grads:
+        return rows
+    db = None if b is None else jnp.zeros(b.shape, f32)
+    return rows + (jnp.zeros(h.shape, h.dtype), jnp.zeros(w.shape, f32), db)
+
+
+def _store_loss(acc, start, loss, opts: LCEOptions):
+    return acc + jnp.sum(loss) if opts.ce.reduction != "none" else _put(acc, start, loss)
+
+
+# ----------------------------------------------------------------------------- loops
+def _forward(h, w, b, y, opts: LCEOptions, with_grads: bool):
+    """One pass over the chunks: (loss, lse, coef) and, with_grads, the unit-cotangent
+    (dH, dW float32, db float32)."""
+    fns = _chunk_fns(opts)
+    denom, row_scale = _setup(h, y, opts)
+
+    def body(start, size, carry):
+        hc, yc, rc = _rows(h, start, size), _rows(y, start, size), _rows(row_scale, start, size)
+        z = _logits(hc, w, b, opts.layout)
+        if not with_grads:
+            loss, lse, coef = fns["fwd"].local(z, yc, rc)
+            acc, lse_all, coef_all = carry
+            return (_store_loss(acc, start, loss, opts), _put(lse_all, start, lse),
+                    _put(coef_all, start, coef))
+        loss, lse, coef, g = fns["fwd_grad"].local(z, yc, rc)
+        acc, lse_all, coef_all, dh, dw, db = carry
+        dh_c, dw_c = _grads(hc, w, g, opts.layout)
+        if db is not None:
+            db = db + jnp.sum(g.astype(jnp.float32), axis=0)
+        return (_store_loss(acc, start, loss, opts), _put(lse_all, start, lse),
+                _put(coef_all, start, coef), _put(dh, start, dh_c), dw + dw_c, db)
+
+    out = _chunks(h.shape[0], opts.chunk, body, _accumulators(h, w, b, opts, with_grads))
+    loss = out[0] / denom if opts.ce.reduction != "none" else out[0]
+    return (loss,) + tuple(out[1:])
+
+
+def _backward(h, w, b, y, lse, coef, opts: LCEOptions):
+    """Recomputes each chunk's logits and writes (dH, dW float32, db float32) for the given
+    per-row coefficients (cotangents already folded into coef)."""
+    fns = _chunk_fns(opts)
+
+    def body(start, size, carry):
+        dh, dw, db = carry
+        hc = _rows(h, start, size)
+        z = _logits(hc, w, b, opts.layout)
+        (g,) = fns["bwd"].local(z, _rows(y, start, size), _rows(lse, start, size),
+                                _rows(coef, start, size))
+        dh_c, dw_c = _grads(hc, w, g, opts.layout)
+        if db is not None:
+            db = db + jnp.sum(g.astype(jnp.float32), axis=0)
+        return _put(dh, start, dh_c), dw + dw_c, db
+
+    init = _accumulators(h, w, b, opts, with_grads=True)[3:]
+    return _chunks(h.shape[0], opts.chunk, body, init)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+def _recompute(opts: LCEOptions) -> bool:
+    """Per-token cotangents (reduction "none") or a differentiable lse: recompute the logits
+    in the backward instead of computing the gradients in the forward."""
+    return opts.ce.reduction == "none" or opts.ce.return_lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _lce(h, w, b, y, opts: LCEOptions):
+    loss, lse, _ = _forward(h, w, b, y, opts, with_grads=False)
+    return loss, lse
+
+
+def _lce_fwd(h, w, b, y, opts: LCEOptions):
+    if _recompute(opts):
+        loss, lse, coef = _forward(h, w, b, y, opts, with_grads=False)
+        return (loss, lse), (h, w, b, y, lse, coef)
+    loss, lse, _, dh, dw, db = _forward(h, w, b, y, opts, with_grads=True)
+    dw = dw.astype(w.dtype)
+    db = None if db is None else db.astype(b.dtype)
+    return (loss, lse), (dh, dw, db)
+
+
+def _scale(g, cot):
+    return None if g is None else (g.astype(jnp.float32) * cot).astype(g.dtype)
+
+
+def _lce_bwd(opts: LCEOptions, res, cts):
+    g_loss, g_lse = cts
+    if not _recompute(opts):
+        dh, dw, db = res
+        cot = g_loss.astype(jnp.float32)
+        return _scale(dh, cot), _scale(dw, cot), _scale(db, cot), None
+    h, w, b, y, lse, coef = res
+    cot = _row_cotangent(g_loss, h.shape[0], opts.ce)
+    coef = coef * cot[:, None]
+    coef = coef.at[:, 0].add(g_lse.astype(jnp.float32))
+    dh, dw, db = _backward(h, w, b, y, lse, coef, opts)
+    return dh, dw.astype(w.dtype), None if db is None else db.astype(b.dtype), None
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
+
+
+# ----------------------------------------------------------------------------- public API
+def _check_inputs(hidden, weight, labels, bias, weight_layout):
+    _common.check_logits(hidden, "hidden")
+    _common.check_choice(weight_layout, "weight_layout", LAYOUTS)
+    dim = hidden.shape[-1]
+    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+        raise TypeError(f"weight must be an array, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"weight.shape={weight.shape} must be 2-D: [D, V] for "
+                         f"weight_layout='dv', [V, D] for 'vd'")
+    d_axis = 0 if weight_layout == "dv" else 1
+    if weight.shape[d_axis] != dim:
+        raise ValueError(f"weight.shape={weight.shape} with weight_layout={weight_layout!r} "
+                         f"needs weight.shape[{d_axis}] == hidden.shape[-1]={dim}")
+    vocab = weight.shape[1 - d_axis]
+    if vocab < 1:
+        raise ValueError(f"weight.shape={weight.shape}: the vocabulary axis must not be empty")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}")
+    _common.check_int_array(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
+    if bias is not None:
+        _common.check_logits(bias, "bias")
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"bias.shape={tuple(bias.shape)} must equal (V,)=({vocab},)")
+    return vocab
+
+
+def linear_cross_entropy(
+    hidden: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    weight_layout: str = "dv",
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    return_lse: bool = False,
+    implementation: str | None = None,
+    chunk_size: int | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    r"""Cross-entropy of the logits `hidden @ weight (+ bias)` without keeping `[N, V]` logits.
+
+    Equal to `cross_entropy(hidden @ W + bias, labels, ...)` (same options, same loss; see
+    `cross_entropy` for the formula), computed `chunk_size` tokens at a time: each chunk's
+    logits `[C, V]` and their gradient exist only while that chunk is processed. Under
+    differentiation the forward also computes the gradients w.r.t. `hidden`, `weight` and
+    `bias` (three matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them by
+    the cotangent; with `reduction="none"` or `return_lse=True` the backward recomputes each
+    chunk's logits instead (one more matmul per chunk). dW and db accumulate in float32 (a
+    `weight`-sized float32 buffer during the forward) and are returned in their inputs' dtypes.
+
+    Args:
+      hidden: `[..., D]` float32, bfloat16 or float16.
+      weight: `[D, V]` (weight_layout="dv", Flax's `nnx.Linear(D, V).kernel`) or `[V, D]`
+        ("vd", a tied embedding table), same dtype as `hidden`; never transposed in memory.
+      labels: `[...]` integer class ids in `[0, V)`, or `ignore_index`.
+      bias: optional `[V]` float bias added to the logits (in the logits' dtype).
+      weight_layout: "dv" or "vd".
+      ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as in
+        `cross_entropy`; "mean" divides by the number of non-ignored tokens of the batch.
+      implementation: None (Triton cross-entropy kernels on a CUDA GPU, XLA elsewhere),
+        "triton" or "xla"; the matmuls are XLA's either way.
+      chunk_size: tokens per chunk (>= 1), or None for `default_chunk_size` (at most
+        `CHUNK_BUDGET_BYTES` of chunk logits plus gradient). A ragged last chunk is allowed.
+
+    Returns:
+      The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
+
+    Raises:
+      TypeError / ValueError at trace time naming the argument: shapes that do not match,
+      mismatched or non-float dtypes, an unknown layout, option or implementation, a chunk_size
+      that is not a positive int.
+
+    Example:
+      >>> h = jax.random.normal(jax.random.key(0), (4, 8, 64))
+      >>> w = jax.random.normal(jax.random.key(1), (64, 1000)) * 0.1
+      >>> y = jax.random.randint(jax.random.key(2), (4, 8), 0, 1000)
+      >>> loss, (dh, dw) = jax.value_and_grad(linear_cross_entropy, (0, 1))(h, w, y)
+    """
+    vocab = _check_inputs(hidden, weight, labels, bias, weight_layout)
+    _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
+    _common.check_implementation(implementation)
+    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    zl = _common.check_static_float(z_loss, "z_loss", lo=0.0)
+    if logit_softcap is not None:
+        logit_softcap = _common.check_static_float(logit_softcap, "logit_softcap", lo=0.0,
+                                                   lo_open=True)
+    ignore_index = _common.check_static_int(ignore_index, "ignore_index")
+    lead = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    n = h.shape[0]
+    if chunk_size is None:
+        chunk = default_chunk_size(n, vocab, h.shape[1], hidden.dtype)
+    else:
+        chunk = min(_common.check_static_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    if n == 0:
+        zero = 0.0 * (jnp.sum(hidden) + jnp.sum(weight))
+        loss = jnp.zeros(lead, jnp.float32) + zero if reduction == "none" else zero
+        return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
+    ce_opts = CEOptions(ignore_index, reduction, smoothing, zl, logit_softcap,
+                            bool(return_lse), "")
+    opts = LCEOptions(ce_opts, weight_layout, chunk, "")
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    loss, lse = _common.dispatch_op(_lce, implementation, h, weight, bias, y, opts=opts)
+    if reduction == "none":
+        loss = loss.reshape(lead)
+    return (loss, lse.reshape(lead)) if return_lse else loss
