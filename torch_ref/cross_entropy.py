@@ -5,7 +5,8 @@ import torch
 
 from jax_fusedloss.kernels import cross_entropy as k
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
-from torch_ref import _launch
+from torch_ref import _checks, _launch
+from torch_ref._checks import no_double_backward
 from torch_ref._launch import launch
 
 
@@ -57,13 +58,29 @@ def scale_rows_(grad: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def scaled_saved_grad(grad: torch.Tensor, g: torch.Tensor, per_row: bool) -> torch.Tensor:
+    """The saved unit-cotangent gradient (in the logits' shape) times the cotangent g (a
+    scalar, or one per row of the flattened logits), never changing `grad` itself, so that a
+    second backward through a retained graph sees it unchanged.
+
+    A scalar cotangent of exactly 1 (a plain loss.backward()) returns the saved tensor itself,
+    no copy: autograd's AccumulateGrad then takes it over as `.grad` only when nothing else
+    holds it (the graph was not retained and released it), and copies it otherwise. Any other
+    cotangent rescales a copy."""
+    if not per_row and float(g) == 1.0:  # one scalar read (a sync on CUDA)
+        return grad
+    flat = grad.reshape(-1, grad.shape[-1]).clone()
+    cot = g.reshape(-1) if per_row else g.reshape(1).expand(flat.shape[0])
+    return scale_rows_(flat, cot.float().contiguous()).view(grad.shape)
+
+
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index, reduction, smoothing, z_loss, softcap,
                 need_lse_grad):
         vocab = logits.shape[-1]
         x = logits.reshape(-1, vocab).contiguous()
-        y = labels.reshape(-1).to(torch.int32).contiguous()
+        y = _checks.labels_to_int32(labels, ignore_index, vocab)
         denom = (torch.clamp((y != ignore_index).sum(), min=1).float() if reduction == "mean"
                  else torch.ones((), device=x.device))
         row_scale = (1.0 / denom).expand(x.shape[0]).contiguous()
@@ -73,7 +90,7 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.reduction, ctx.softcap = reduction, softcap
         ctx.shape = logits.shape
         if write_grad:
-            ctx.save_for_backward(grad)
+            ctx.save_for_backward(grad.view(logits.shape))  # returned as is: see backward
         else:
             ctx.save_for_backward(x, y, lse, coef)
         out = loss.reshape(labels.shape) if reduction == "none" else loss.sum() / denom
@@ -81,30 +98,45 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
+        no_double_backward("cross_entropy")
         saved = ctx.saved_tensors
-        n = saved[0].shape[0]
-        cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
         if len(saved) == 1:
-            (grad,) = saved
-            scale_rows_(grad, cot)
-        else:
-            x, y, lse, coef = saved
-            coef = coef * cot[:, None]
-            coef[:, 0] += g_lse.reshape(-1).float()
-            grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
+            return (scaled_saved_grad(saved[0], g_loss, ctx.reduction == "none"),) + (None,) * 7
+        x, y, lse, coef = saved
+        n = x.shape[0]
+        cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
+        coef = coef * cot[:, None]
+        coef[:, 0] += g_lse.reshape(-1).float()
+        grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
         return grad.reshape(ctx.shape), None, None, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
                   logit_softcap: float | None = None, return_lse: bool = False):
-    """`jax_fusedloss.cross_entropy` from PyTorch, on the same Triton kernels (see its docs)."""
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction={reduction!r} must be one of ('mean', 'sum', 'none')")
-    loss, lse = _CrossEntropy.apply(logits, labels, int(ignore_index), reduction,
-                                    float(label_smoothing), float(z_loss),
-                                    None if logit_softcap is None else float(logit_softcap),
-                                    bool(return_lse and torch.is_grad_enabled()))
+    """`jax_fusedloss.cross_entropy` from PyTorch, on the same Triton kernels (see its docs).
+
+    Validated as the JAX API: shapes, dtypes, label_smoothing in [0, 1], z_loss >= 0,
+    logit_softcap in (0, inf) or None, ignore_index in int32 (NaN options are rejected); labels
+    of any integer width are range-checked before they are narrowed to int32. The gradient is
+    first-order only (backward with create_graph=True raises)."""
+    _checks.check_logits(logits)
+    _checks.check_int_tensor(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
+    _checks.check_same_device("labels", labels, logits, "logits")
+    _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
+    smoothing = _checks.check_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    z_loss = _checks.check_float(z_loss, "z_loss", lo=0.0)
+    if logit_softcap is not None:
+        logit_softcap = _checks.check_float(logit_softcap, "logit_softcap", lo=0.0,
+                                            lo_open=True)
+    ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    if logits.numel() == 0:
+        lead = labels.shape
+        loss = (logits.new_zeros(lead, dtype=torch.float32) if reduction == "none"
+                else logits.new_zeros((), dtype=torch.float32)) + 0.0 * logits.sum()
+        return (loss, logits.new_zeros(lead, dtype=torch.float32)) if return_lse else loss
+    loss, lse = _CrossEntropy.apply(logits, labels, ignore_index, reduction, smoothing, z_loss,
+                                    logit_softcap, bool(return_lse and torch.is_grad_enabled()))
     return (loss, lse) if return_lse else loss
 
 

@@ -5,9 +5,10 @@ import torch
 
 from jax_fusedloss.kernels import kd as k
 from jax_fusedloss.kernels.launch import merge_block, row_config
-from torch_ref import _launch
+from torch_ref import _checks, _launch
+from torch_ref._checks import no_double_backward
 from torch_ref._launch import launch
-from torch_ref.cross_entropy import cross_entropy_reference, scale_rows_
+from torch_ref.cross_entropy import cross_entropy_reference, scaled_saved_grad
 
 
 def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
@@ -51,42 +52,70 @@ class _KD(torch.autograd.Function):
         loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
                            ignore_index, write_grad)
         ctx.reduction, ctx.shape = reduction, logits.shape
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(None if grad is None else grad.view(logits.shape))
         return loss if reduction == "none" else loss.sum()
 
     @staticmethod
     def backward(ctx, g):
-        (grad,) = ctx.saved_tensors
-        n = grad.shape[0]
-        cot = (g.reshape(-1) if ctx.reduction == "none" else g.expand(n)).float().contiguous()
-        # The forward wrote the gradient for a unit cotangent: rescale rows whose cotangent is
-        # not 1, in place.
-        scale_rows_(grad, cot)
-        return (grad.reshape(ctx.shape),) + (None,) * 10
+        no_double_backward("kd_loss / distill_loss")
+        # The forward wrote the gradient for a unit cotangent; the saved tensor is never
+        # changed, so a retained graph can run backward again.
+        return (scaled_saved_grad(ctx.saved_tensors[0], g, ctx.reduction == "none"),) + (None,) * 10
+
+
+def _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
+    """The JAX API's checks (jax_fusedloss.kd.check_teacher): the kernels index the teacher
+    tensors by the logits' rows, so a shape mismatch would read out of bounds."""
+    _checks.check_logits(student_logits, "student_logits")
+    for name, a in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs),
+                    ("mask", mask)):
+        if a is not None and not isinstance(a, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(a).__name__}")
+        if a is not None:
+            _checks.check_same_device(name, a, student_logits, "student_logits")
+    if not _checks.is_integer_dtype(teacher_ids.dtype):
+        raise TypeError(f"teacher_ids.dtype={teacher_ids.dtype} must be an integer type")
+    lead, vocab = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
+    if teacher_ids.dim() != student_logits.dim() or tuple(teacher_ids.shape[:-1]) != lead:
+        raise ValueError(f"teacher_ids.shape={tuple(teacher_ids.shape)} must be [..., K] with "
+                         f"[...] equal to student_logits.shape[:-1]={lead}")
+    n_k = teacher_ids.shape[-1]
+    if not 1 <= n_k <= vocab:
+        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must lie in [1, V] with "
+                         f"V=student_logits.shape[-1]={vocab}")
+    if not teacher_logprobs.dtype.is_floating_point:
+        raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
+    if teacher_logprobs.shape != teacher_ids.shape:
+        raise ValueError(f"teacher_logprobs.shape={tuple(teacher_logprobs.shape)} must equal "
+                         f"teacher_ids.shape={tuple(teacher_ids.shape)}")
+    if mask is not None and mask.shape != teacher_ids.shape:
+        raise ValueError(f"mask.shape={tuple(mask.shape)} must equal teacher_ids.shape="
+                         f"{tuple(teacher_ids.shape)}")
 
 
 def _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
     vocab, n_k = student_logits.shape[-1], teacher_ids.shape[-1]
-    if not 1 <= n_k <= vocab:
-        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must lie in [1, V={vocab}]")
     ids = teacher_ids.reshape(-1, n_k)
-    valid = (ids >= 0) & (ids < vocab)
+    if ids.dtype == torch.uint64:
+        raise TypeError("teacher_ids.dtype=torch.uint64 is not supported: use int64")
+    valid = (ids >= 0) & (ids < vocab)  # at the ids' own width, before narrowing
     if mask is not None:
         valid = valid & (mask.reshape(-1, n_k) != 0)
     if active is not None:
         valid = valid & active[:, None]
-    ids32 = torch.where(valid, ids, torch.full_like(ids, -1)).to(torch.int32).contiguous()
+    wide = ids.to(torch.int64)
+    ids32 = torch.where(valid, wide, torch.full_like(wide, -1)).to(torch.int32).contiguous()
     lp = teacher_logprobs.reshape(-1, n_k).float().contiguous()
     return ids32, lp, valid.any(dim=1)
 
 
-def _check(temperature, normalize, reduction):
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    if normalize not in ("full", "topk"):
-        raise ValueError(f"normalize={normalize!r} must be one of ('full', 'topk')")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"reduction={reduction!r} must be one of ('mean', 'sum', 'none')")
+def _check(temperature, normalize, reduction, num_items) -> float:
+    """The options shared by kd_loss and distill_loss, as jax_fusedloss.kd.check_options."""
+    t = _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
+    _checks.check_choice(normalize, "normalize", ("full", "topk"))
+    _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
+    _checks.check_num_items(num_items, reduction)
+    return t
 
 
 def _needs_grad(logits: torch.Tensor) -> bool:
@@ -104,8 +133,11 @@ def kd_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
             teacher_logprobs: torch.Tensor, mask: torch.Tensor | None = None, *,
             temperature: float = 1.0, normalize: str = "full", reduction: str = "mean",
             num_items=None) -> torch.Tensor:
-    """`jax_fusedloss.kd_loss` from PyTorch, on the same Triton kernels (see its docs)."""
-    _check(temperature, normalize, reduction)
+    """`jax_fusedloss.kd_loss` from PyTorch, on the same Triton kernels (see its docs).
+
+    Validated as the JAX API (shapes, dtypes, options); the gradient is first-order only."""
+    _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
+    temperature = _check(temperature, normalize, reduction, num_items)
     ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask)
     n = ids.shape[0]
     scale = (1.0 / _denominator(has_entry.sum(), num_items) if reduction == "mean"
@@ -122,11 +154,18 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
                  alpha: float, temperature: float = 1.0, ignore_index: int = -100,
                  normalize: str = "full", reduction: str = "mean", num_items=None,
                  temperature_squared: bool = False) -> torch.Tensor:
-    """`jax_fusedloss.distill_loss` from PyTorch, on the same Triton kernels (see its docs)."""
-    _check(temperature, normalize, reduction)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
-    y = labels.reshape(-1).to(torch.int32).contiguous()
+    """`jax_fusedloss.distill_loss` from PyTorch, on the same Triton kernels (see its docs).
+
+    Validated as the JAX API (shapes, dtypes, options; labels range-checked at their own width
+    before they are narrowed to int32); the gradient is first-order only."""
+    _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
+    _checks.check_int_tensor(labels, "labels", student_logits.shape[:-1],
+                             "student_logits.shape[:-1]")
+    _checks.check_same_device("labels", labels, student_logits, "student_logits")
+    temperature = _check(temperature, normalize, reduction, num_items)
+    alpha = _checks.check_float(alpha, "alpha", lo=0.0, hi=1.0)
+    ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    y = _checks.labels_to_int32(labels, ignore_index, student_logits.shape[-1])
     active = y != ignore_index
     ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active)
     n = ids.shape[0]

@@ -6,15 +6,13 @@ import torch
 
 from jax_fusedloss.kernels import reductions as k
 from jax_fusedloss.kernels.launch import merge_block
-from torch_ref import _launch
+from torch_ref import _checks, _launch
+from torch_ref._checks import no_double_backward
 from torch_ref._launch import launch
 
 
 def _check_temperature(temperature) -> float:
-    temperature = float(temperature)
-    if not (0 < temperature < float("inf")):
-        raise ValueError(f"temperature={temperature} must be a finite number > 0")
-    return temperature
+    return _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
 
 
 def _fwd(x, y, inv_temp, want_entropy):
@@ -63,7 +61,7 @@ class _Reductions(torch.autograd.Function):
     def forward(ctx, logits, labels, inv_temp, want_entropy):
         vocab = logits.shape[-1]
         x = logits.reshape(-1, vocab).contiguous()
-        y = None if labels is None else labels.reshape(-1).to(torch.int32).contiguous()
+        y = None if labels is None else _checks.labels_to_int32(labels, None, vocab)
         lse, ent, logp = _fwd(x, y, inv_temp, want_entropy)
         ctx.inv_temp, ctx.want_entropy, ctx.shape = inv_temp, want_entropy, logits.shape
         ctx.has_label = y is not None
@@ -74,6 +72,7 @@ class _Reductions(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lse, g_ent, g_logp):
+        no_double_backward("logsumexp / entropy / token_logprobs")
         x, y, lse, ent = ctx.saved_tensors
         cot = torch.zeros(x.shape[0], 3, dtype=torch.float32, device=x.device)
         for i, g in enumerate((g_lse, g_ent, g_logp)):
@@ -84,6 +83,7 @@ class _Reductions(torch.autograd.Function):
 
 
 def _apply(logits, labels, temperature, want_entropy):
+    _checks.check_logits(logits)
     return _Reductions.apply(logits, labels, 1.0 / _check_temperature(temperature), want_entropy)
 
 
@@ -100,9 +100,9 @@ def entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                    return_entropy: bool = False):
     """`jax_fusedloss.token_logprobs` from PyTorch, on the same Triton kernels (see its docs)."""
-    if tuple(labels.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"labels.shape={tuple(labels.shape)} must equal "
-                         f"logits.shape[:-1]={tuple(logits.shape[:-1])}")
+    _checks.check_logits(logits)
+    _checks.check_int_tensor(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
+    _checks.check_same_device("labels", labels, logits, "logits")
     _, ent, logp = _apply(logits, labels, temperature, bool(return_entropy))
     return (logp, ent) if return_entropy else logp
 
