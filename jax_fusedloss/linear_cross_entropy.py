@@ -30,15 +30,19 @@ LAYOUTS = ("dv", "vd")
 CHUNK_BUDGET_BYTES = 512 << 20
 
 
+ACCUMULATIONS = ("float32", "input")
+
+
 class LCEOptions(NamedTuple):
     ce: CEOptions
     layout: str
     chunk: int
+    accumulation: str
     implementation: str
 
 
 def default_chunk_size(n: int, vocab: int, dim: int, dtype) -> int:
-    """Tokens per chunk: the largest power of two `C` (at least 8, at most N) with
+    """Tokens per chunk: the largest power of two `C` (at most N) with
     `C * V * itemsize * 2 <= CHUNK_BUDGET_BYTES` (the chunk's logits and their gradient), or N
     when all N tokens fit. Powers of two divide the usual token counts (no ragged tail) and
     keep the matmuls' M dimension tile-aligned. `dim` does not change it: the chunk's
@@ -48,7 +52,7 @@ def default_chunk_size(n: int, vocab: int, dim: int, dtype) -> int:
     rows = max(1, CHUNK_BUDGET_BYTES // per_row)
     if n <= rows:
         return max(n, 1)
-    chunk = 8
+    chunk = 1
     while chunk * 2 <= rows:
         chunk *= 2
     return min(chunk, n)
@@ -62,17 +66,18 @@ def _logits(h, w, b, layout: str):
     return z if b is None else z + b.astype(z.dtype)
 
 
-def _grads(h, w, g, layout: str):
-    """(dH [C, D] in h's dtype, dW contribution in float32 in W's layout) of logits grad g."""
+def _grads(h, w, g, layout: str, dw_dtype):
+    """(dH [C, D] in h's dtype, dW contribution in W's layout as dw_dtype) of logits grad g.
+
+    `dw + _grads(...)[1]` in one dtype is what XLA's GPU GEMM rewriter folds into a single
+    cuBLAS GEMM with beta=1 (fp32 arithmetic, one rounding, no dW-sized temporary)."""
     contract = ((1,), (1,)) if layout == "dv" else ((1,), (0,))
     dh = jax.lax.dot_general(g, w, (contract, ((), ())),
                              preferred_element_type=jnp.float32).astype(h.dtype)
     if layout == "dv":  # h^T g: [D, V]
-        dw = jax.lax.dot_general(h, g, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        dw = jax.lax.dot_general(h, g, (((0,), (0,)), ((), ())), preferred_element_type=dw_dtype)
     else:  # g^T h: [V, D]
-        dw = jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        dw = jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())), preferred_element_type=dw_dtype)
     return dh, dw
 
 
@@ -113,7 +118,8 @@ def _accumulators(h, w, b, opts: LCEOptions, with_grads: bool):
     if not with_grads:
         return rows
     db = None if b is None else jnp.zeros(b.shape, f32)
-    return rows + (jnp.zeros(h.shape, h.dtype), jnp.zeros(w.shape, f32), db)
+    dw_dtype = f32 if opts.accumulation == "float32" else w.dtype
+    return rows + (jnp.zeros(h.shape, h.dtype), jnp.zeros(w.shape, dw_dtype), db)
 
 
 def _store_loss(acc, start, loss, opts: LCEOptions):
@@ -137,7 +143,7 @@ def _forward(h, w, b, y, opts: LCEOptions, with_grads: bool):
                     _put(coef_all, start, coef))
         loss, lse, coef, g = fns["fwd_grad"].local(z, yc, rc)
         acc, lse_all, coef_all, dh, dw, db = carry
-        dh_c, dw_c = _grads(hc, w, g, opts.layout)
+        dh_c, dw_c = _grads(hc, w, g, opts.layout, dw.dtype)
         if db is not None:
             db = db + jnp.sum(g.astype(jnp.float32), axis=0)
         return (_store_loss(acc, start, loss, opts), _put(lse_all, start, lse),
@@ -159,7 +165,7 @@ def _backward(h, w, b, y, lse, coef, opts: LCEOptions):
         z = _logits(hc, w, b, opts.layout)
         (g,) = fns["bwd"].local(z, _rows(y, start, size), _rows(lse, start, size),
                                 _rows(coef, start, size))
-        dh_c, dw_c = _grads(hc, w, g, opts.layout)
+        dh_c, dw_c = _grads(hc, w, g, opts.layout, dw.dtype)
         if db is not None:
             db = db + jnp.sum(g.astype(jnp.float32), axis=0)
         return _put(dh, start, dh_c), dw + dw_c, db
@@ -254,6 +260,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     implementation: str | None = None,
     chunk_size: int | None = None,
+    accumulation: str = "float32",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Cross-entropy of the logits `hidden @ weight (+ bias)` without keeping `[N, V]` logits.
 
@@ -279,6 +286,11 @@ def linear_cross_entropy(
         "triton" or "xla"; the matmuls are XLA's either way.
       chunk_size: tokens per chunk (>= 1), or None for `default_chunk_size` (at most
         `CHUNK_BUDGET_BYTES` of chunk logits plus gradient). A ragged last chunk is allowed.
+      accumulation: "float32" (default) sums dW over the chunks in a float32 `[D, V]` buffer,
+        rounded to weight's dtype once at the end; "input" sums it in weight's dtype (each
+        chunk's product computed in float32 and rounded into the sum, as Liger does), which
+        saves `D * V * (4 - itemsize)` bytes of peak memory for bf16/fp16 weights at the cost
+        of one rounding per chunk. db always accumulates in float32. Same for float32.
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -303,6 +315,7 @@ def linear_cross_entropy(
         logit_softcap = _common.check_static_float(logit_softcap, "logit_softcap", lo=0.0,
                                                    lo_open=True)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
+    _common.check_choice(accumulation, "accumulation", ACCUMULATIONS)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]
@@ -316,7 +329,7 @@ def linear_cross_entropy(
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
     ce_opts = CEOptions(ignore_index, reduction, smoothing, zl, logit_softcap,
                             bool(return_lse), "")
-    opts = LCEOptions(ce_opts, weight_layout, chunk, "")
+    opts = LCEOptions(ce_opts, weight_layout, chunk, accumulation, "")
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
     loss, lse = _common.dispatch_op(_lce, implementation, h, weight, bias, y, opts=opts)
     if reduction == "none":

@@ -1,0 +1,295 @@
+"""linear_cross_entropy: JAX "triton" (interpreter on CPU) and "xla", and torch_ref, against
+jax.grad / torch.autograd of the naive formula (logits = h @ W + b materialised) in float64."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_fusedloss
+import torch_ref
+from jax_fusedloss.linear_cross_entropy import default_chunk_size
+from tests.helpers import assert_close, to_numpy, to_torch
+
+
+# ----------------------------------------------------------------------------- naive formulas
+def _options(o):
+    return (o.get("ignore_index", -100), o.get("reduction", "mean"), o.get("label_smoothing", 0.0),
+            o.get("z_loss", 0.0), o.get("logit_softcap"))
+
+
+def lce_reference_jax(h, w, y, b=None, *, weight_layout="dv", **o):
+    """(loss, lse) of the naive formula in plain JAX at the inputs' dtype."""
+    ignore, reduction, eps, zl, cap = _options(o)
+    z = h @ (w if weight_layout == "dv" else w.T)
+    if b is not None:
+        z = z + b
+    if cap is not None:
+        z = cap * jnp.tanh(z / cap)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    zy = jnp.take_along_axis(z, jnp.clip(y, 0, z.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+    loss = (1 - eps) * (lse - zy) + eps * (lse - z.mean(-1)) + zl * lse**2
+    ignored = y == ignore
+    loss = jnp.where(ignored, 0.0, loss)
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / jnp.maximum((~ignored).sum(), 1)
+    return loss, lse
+
+
+def lce_reference_torch(h, w, y, b=None, *, weight_layout="dv", **o):
+    """(loss, lse) of the naive formula in plain PyTorch at the inputs' dtype."""
+    ignore, reduction, eps, zl, cap = _options(o)
+    z = h @ (w if weight_layout == "dv" else w.t())
+    if b is not None:
+        z = z + b
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    lse = torch.logsumexp(z, -1)
+    zy = torch.gather(z, -1, y.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    loss = (1 - eps) * (lse - zy) + eps * (lse - z.mean(-1)) + zl * lse**2
+    ignored = y == ignore
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    if reduction == "sum":
+        loss = loss.sum()
+    elif reduction == "mean":
+        loss = loss.sum() / (~ignored).sum().clamp(min=1)
+    return loss, lse
+
+
+# ----------------------------------------------------------------------------- inputs
+D, V = 24, 97  # V: prime, below and not a multiple of any block; D not a multiple of 8
+
+
+def make_inputs(seed, lead, layout, with_bias, dtype="float32", frac_ignored=0.3, ignore=-100):
+    k = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(k[0], lead + (D,), jnp.float32)
+    w = jax.random.normal(k[1], (D, V) if layout == "dv" else (V, D), jnp.float32) * 0.4
+    b = jax.random.normal(k[2], (V,), jnp.float32) if with_bias else None
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, V, size=lead)
+    y[rng.random(lead) < frac_ignored] = ignore
+    cast = (lambda a: a.astype(dtype))
+    return cast(h), cast(w), None if b is None else cast(b), jnp.asarray(y, jnp.int32)
+
+
+def objective_weights(seed, lead, reduction, with_lse):
+    """Cotangents: per-token for "none", a non-unit scalar otherwise (tests the rescale)."""
+    rng = np.random.default_rng(seed + 7)
+    wl = jnp.asarray(rng.normal(size=lead), jnp.float32) if reduction == "none" else 1.7
+    wlse = jnp.asarray(rng.normal(size=lead), jnp.float32) if with_lse else None
+    return wl, wlse
+
+
+def run_jax(impl, h, w, b, y, wl, wlse, **o):
+    def f(h, w, b):
+        out = jax_fusedloss.linear_cross_entropy(h, w, y, bias=b, implementation=impl,
+                                                 return_lse=wlse is not None, **o)
+        loss, lse = out if wlse is not None else (out, None)
+        obj = jnp.sum(loss * wl) + (jnp.sum(lse * wlse) if wlse is not None else 0.0)
+        return obj, (loss, lse)
+
+    argnums = (0, 1, 2) if b is not None else (0, 1)
+    (_, (loss, lse)), grads = jax.jit(jax.value_and_grad(f, argnums, has_aux=True))(h, w, b)
+    return loss, lse, grads
+
+
+def ref_jax(h, w, b, y, wl, wlse, **o):
+    o = {k: v for k, v in o.items() if k not in ("chunk_size", "accumulation")}
+    with jax.enable_x64(True):
+        f64 = (lambda a: None if a is None else jnp.asarray(np.asarray(to_numpy(a), np.float64)))
+
+        def f(h, w, b):
+            loss, lse = lce_reference_jax(h, w, y, b, **o)
+            obj = jnp.sum(loss * wl) + (jnp.sum(lse * wlse) if wlse is not None else 0.0)
+            return obj, (loss, lse)
+
+        argnums = (0, 1, 2) if b is not None else (0, 1)
+        (_, (loss, lse)), grads = jax.value_and_grad(f, argnums, has_aux=True)(
+            f64(h), f64(w), f64(b))
+        return np.asarray(loss), np.asarray(lse), [np.asarray(g) for g in grads]
+
+
+def run_torch(h, w, b, y, wl, wlse, fn, dtype=None, **o):
+    o = {k: v for k, v in o.items() if k != "accumulation"}
+    if fn is lce_reference_torch:
+        o.pop("chunk_size", None)
+    ts = [None if a is None else to_torch(a) for a in (h, w, b)]
+    if dtype is not None:
+        ts = [None if t is None else t.to(dtype) for t in ts]
+    for t in ts:
+        if t is not None:
+            t.requires_grad_(True)
+    yt = torch.from_dlpack(y).long()
+    out = fn(ts[0], ts[1], yt, ts[2], **o) if fn is lce_reference_torch else fn(
+        ts[0], ts[1], yt, bias=ts[2], return_lse=wlse is not None, **o)
+    loss, lse = out if isinstance(out, tuple) else (out, None)
+    cast = (lambda a: to_torch(a).to(loss.dtype)) if dtype is not None else to_torch
+    obj = (loss * (cast(wl) if not isinstance(wl, float) else wl)).sum()
+    if wlse is not None:
+        obj = obj + (lse * cast(wlse)).sum()
+    obj.backward()
+    return (loss.detach(), None if lse is None else lse.detach(),
+            [t.grad for t in ts if t is not None])
+
+
+# ----------------------------------------------------------------------------- grid
+# (layout, bias, leading shape, chunk_size, options): every option, both layouts, ragged chunks
+CASES = {
+    "dv-plain-ragged": ("dv", False, (21,), 8, {}),
+    "vd-bias-mean": ("vd", True, (3, 7), 8, {}),
+    "dv-bias-smoothing-sum": ("dv", True, (21,), 5, dict(label_smoothing=0.1, reduction="sum")),
+    "vd-zloss-onechunk": ("vd", False, (21,), None, dict(z_loss=1e-2)),
+    "dv-bias-softcap-none": ("dv", True, (21,), 8, dict(logit_softcap=3.0, reduction="none")),
+    "vd-bias-combined-lse": ("vd", True, (3, 7), 16,
+                             dict(label_smoothing=0.2, z_loss=1e-3, logit_softcap=5.0,
+                                  ignore_index=-1, return_lse=True)),
+    "dv-none-lse": ("dv", False, (21,), 7, dict(reduction="none", return_lse=True)),
+    "vd-input-accumulation": ("vd", True, (21,), 4, dict(accumulation="input")),
+}
+
+
+def _case(name, seed=0, frac_ignored=0.3, dtype="float32"):
+    layout, with_bias, lead, chunk, o = CASES[name]
+    o = dict(o, weight_layout=layout, chunk_size=chunk)
+    with_lse = o.pop("return_lse", False)
+    h, w, b, y = make_inputs(seed, lead, layout, with_bias, dtype, frac_ignored,
+                             o.get("ignore_index", -100))
+    wl, wlse = objective_weights(seed, lead, o.get("reduction", "mean"), with_lse)
+    return (h, w, b, y, wl, wlse), o
+
+
+def _compare(got, want, rtol, atol_grad, what):
+    loss, lse, grads = got
+    rloss, rlse, rgrads = want
+    assert_close(loss, rloss, rtol=rtol, atol=rtol, what=f"{what} loss")
+    if rlse is not None and lse is not None:
+        assert_close(lse, rlse, rtol=rtol, atol=rtol, what=f"{what} lse")
+    for g, rg, name in zip(grads, rgrads, ("d hidden", "d weight", "d bias")):
+        scale = max(float(np.max(np.abs(to_numpy(rg)))), 1e-30)
+        assert_close(g, rg, rtol=atol_grad, atol=atol_grad * scale, what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_jax_matches_float64_reference(impl, name):
+    args, o = _case(name)
+    got = run_jax(impl, *args, **o)
+    _compare(got, ref_jax(*args, **o), 2e-5, 2e-5, f"{impl} {name}")
+    assert all(g.dtype == a.dtype for g, a in zip(got[2], args[:3]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_ref_matches_torch_autograd(name):
+    args, o = _case(name, seed=3)
+    got = run_torch(*args, fn=torch_ref.linear_cross_entropy, **o)
+    want = run_torch(*args, fn=lce_reference_torch, dtype=torch.float64, **o)
+    _compare(got, want, 2e-5, 2e-5, f"torch_ref {name}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
+def test_all_ignored(impl):
+    args, o = _case("vd-bias-mean", frac_ignored=1.0)
+    if impl == "torch_ref":
+        loss, _, grads = run_torch(*args, fn=torch_ref.linear_cross_entropy, **o)
+    else:
+        loss, _, grads = run_jax(impl, *args, **o)
+    assert float(loss) == 0.0
+    for g in grads:
+        assert not np.any(to_numpy(g)), "all-ignored batch must have zero gradients"
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+def test_bfloat16_logits(impl):
+    args, o = _case("dv-bias-smoothing-sum", dtype="bfloat16")
+    got = run_jax(impl, *args, **o)
+    ref = ref_jax(*args, **o)  # float64 from the same bf16 inputs: logits rounded only in ours
+    _compare(got, ref, 2e-2, 3e-2, f"{impl} bf16")
+    assert [g.dtype for g in got[2]] == [jnp.bfloat16] * 3
+
+
+def test_no_grad_forward_and_chunk_independence():
+    args, o = _case("vd-bias-combined-lse")
+    h, w, b, y, _, _ = args
+    outs = [jax.jit(lambda h, w, b, c=c: jax_fusedloss.linear_cross_entropy(
+        h, w, y, bias=b, **dict(o, chunk_size=c)))(h, w, b) for c in (1, 3, 21, 100)]
+    for c, out in zip((3, 21, 100), outs[1:]):
+        assert_close(out, outs[0], rtol=1e-5, what=f"chunk_size={c}")
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16) == 1024
+    assert default_chunk_size(8192, 128256, 4096, jnp.float32) == 512
+    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16) == 512
+    assert default_chunk_size(100, 128256, 4096, jnp.bfloat16) == 100
+    assert default_chunk_size(5, 10**9, 64, jnp.float32) == 1
+    assert torch_ref.linear_cross_entropy.__module__.endswith("linear_cross_entropy")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(weight_layout="dd"), "weight_layout"),
+    (dict(weight=np.zeros((V, D), np.float32)), r"weight.shape"),
+    (dict(weight=jnp.zeros((D, V), jnp.bfloat16)), r"weight.dtype"),
+    (dict(bias=jnp.zeros((V + 1,), jnp.float32)), r"bias.shape"),
+    (dict(labels=jnp.zeros((20,), jnp.int32)), r"labels.shape"),
+    (dict(labels=jnp.zeros((21,), jnp.float32)), r"labels.dtype"),
+    (dict(hidden=jnp.zeros((21, D), jnp.int32)), r"hidden.dtype"),
+    (dict(chunk_size=0), "chunk_size"),
+    (dict(chunk_size=2.5), "chunk_size"),
+    (dict(reduction="avg"), "reduction"),
+    (dict(label_smoothing=1.5), "label_smoothing"),
+    (dict(accumulation="bf16"), "accumulation"),
+])
+def test_validation_names_the_argument(bad, match):
+    h, w, b, y = make_inputs(0, (21,), "dv", True)
+    kw = dict(hidden=h, weight=w, labels=y, bias=b)
+    kw.update(bad)
+    args = [kw.pop(k) for k in ("hidden", "weight", "labels")]
+    with pytest.raises((TypeError, ValueError), match=match):
+        jax_fusedloss.linear_cross_entropy(*args, **kw)
+
+
+def test_empty_batch():
+    h = jnp.zeros((0, D), jnp.float32)
+    w = jnp.ones((D, V), jnp.float32)
+    y = jnp.zeros((0,), jnp.int32)
+    loss, (dh, dw) = jax.value_and_grad(
+        lambda h, w: jax_fusedloss.linear_cross_entropy(h, w, y), (0, 1))(h, w)
+    assert float(loss) == 0.0 and dh.shape == (0, D) and not np.any(np.asarray(dw))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulation", ["float32", "input"])
+def test_gpu_real_size_and_memory(accumulation):
+    n, d, vocab = 4096, 4096, 128256
+    k = jax.random.split(jax.random.key(0), 3)
+    h = (jax.random.normal(k[0], (n, d), jnp.float32)).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (d, vocab), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    y = jax.random.randint(k[2], (n,), 0, vocab).at[::7].set(-100)
+
+    def ours(h, w):
+        return jax_fusedloss.linear_cross_entropy(h, w, y, accumulation=accumulation)
+
+    def naive(h, w):
+        return lce_reference_jax(h, w.astype(jnp.float32), y)[0]  # fp32 logits
+
+    fused = jax.jit(jax.value_and_grad(ours, (0, 1)))
+    loss, (dh, dw) = fused(h, w)
+    rloss, (rdh, rdw) = jax.jit(jax.value_and_grad(
+        lambda h, w: naive(h.astype(jnp.float32), w), (0, 1)))(h, w)
+    assert_close(loss, rloss, rtol=2e-3, what="loss")
+    for g, rg, name in ((dh, rdh, "dh"), (dw, rdw, "dw")):
+        scale = float(jnp.max(jnp.abs(rg)))
+        assert_close(g, rg, atol=3e-2 * scale, rtol=3e-2, what=name)
+        # every column block of dW (the classic place for a silent error)
+    col_err = jnp.max(jnp.abs(dw.astype(jnp.float32) - rdw), axis=0)
+    assert float(jnp.max(col_err)) <= 3e-2 * float(jnp.max(jnp.abs(rdw))) + 1e-6
+    temp = fused.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+    logits_bytes = n * vocab * 2
+    dw_acc = d * vocab * 4 if accumulation == "float32" else 0
+    assert temp < dw_acc + logits_bytes // 2, (
+        f"temp {temp / 2**30:.2f} GiB vs bf16 logits {logits_bytes / 2**30:.2f} GiB")

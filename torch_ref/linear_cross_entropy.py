@@ -1,0 +1,181 @@
+"""Fused linear cross-entropy from PyTorch: token chunks, torch matmuls, the same CE kernels."""
+from __future__ import annotations
+
+import torch
+
+from torch_ref import _checks
+from torch_ref._checks import no_double_backward
+from torch_ref.cross_entropy import _bwd, _fwd
+
+CHUNK_BUDGET_BYTES = 512 << 20  # as jax_fusedloss.linear_cross_entropy
+
+
+def default_chunk_size(n: int, vocab: int, dtype: torch.dtype) -> int:
+    """The largest power of two C <= N with C * V * itemsize * 2 within the budget,
+    or N when every token fits (see jax_fusedloss.linear_cross_entropy.default_chunk_size)."""
+    rows = max(1, CHUNK_BUDGET_BYTES // (2 * vocab * torch.empty((), dtype=dtype).element_size()))
+    if n <= rows:
+        return max(n, 1)
+    chunk = 1
+    while chunk * 2 <= rows:
+        chunk *= 2
+    return min(chunk, n)
+
+
+def _logits(h, w, b, layout):
+    z = h @ w if layout == "dv" else h @ w.t()  # .t() is a view: no transposed copy
+    return z if b is None else z + b.to(z.dtype)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b accumulated and returned in float32 (a bf16/fp16 GEMM with a float32 output on
+    CUDA, else float32 operands)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    return a.float() @ b.float()
+
+
+def _accumulate(h, w, g, layout, dh, dw, db, start):
+    """dH rows of this chunk, and dW, db (float32) += this chunk's contributions."""
+    if dh is not None:
+        dh[start:start + h.shape[0]] = g @ (w.t() if layout == "dv" else w)
+    if dw is not None:
+        dw.add_(_mm_f32(h.t(), g) if layout == "dv" else _mm_f32(g.t(), h))
+    if db is not None:
+        db.add_(g.float().sum(0))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
+                smoothing, z_loss, softcap, return_lse):
+        dim = hidden.shape[-1]
+        vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
+        h = hidden.reshape(-1, dim).contiguous()
+        y = _checks.labels_to_int32(labels, ignore_index, vocab)
+        n = h.shape[0]
+        denom = (torch.clamp((y != ignore_index).sum(), min=1).float() if reduction == "mean"
+                 else torch.ones((), device=h.device))
+        row_scale = (1.0 / denom).expand(n).contiguous()
+        needs = ctx.needs_input_grad
+        recompute = reduction == "none" or return_lse
+        write_grad = any(needs[:3]) and not recompute
+        f32 = dict(dtype=torch.float32, device=h.device)
+        loss_rows, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32),
+                                torch.empty(n, 3, **f32))
+        dh = torch.empty_like(h) if write_grad and needs[0] else None
+        dw = torch.zeros(weight.shape, **f32) if write_grad and needs[1] else None
+        db = torch.zeros(vocab, **f32) if write_grad and bias is not None and needs[2] else None
+        for start in range(0, n, chunk):
+            hc = h[start:start + chunk]
+            sl = slice(start, start + hc.shape[0])
+            z = _logits(hc, weight, bias, layout).contiguous()
+            loss_rows[sl], lse[sl], coef[sl], g = _fwd(z, y[sl], row_scale[sl], ignore_index,
+                                                       smoothing, z_loss, softcap, write_grad)
+            if write_grad:
+                _accumulate(hc, weight, g, layout, dh, dw, db, start)
+            del z, g
+        ctx.layout, ctx.chunk, ctx.softcap, ctx.recompute = layout, chunk, softcap, recompute
+        ctx.reduction, ctx.hidden_shape = reduction, hidden.shape
+        ctx.has_bias = bias is not None
+        if recompute:
+            ctx.save_for_backward(h, weight, bias, y, lse, coef)
+        else:
+            ctx.save_for_backward(
+                dh, None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype))
+        out = loss_rows.reshape(labels.shape) if reduction == "none" else loss_rows.sum() / denom
+        return out, lse.reshape(labels.shape)
+
+    @staticmethod
+    def backward(ctx, g_loss, g_lse):
+        no_double_backward("linear_cross_entropy")
+        tail = (None,) * 9
+        if not ctx.recompute:
+            dh, dw, db = ctx.saved_tensors
+            scale = g_loss.float()
+
+            def scaled(t):
+                return None if t is None else (t.float() * scale).to(t.dtype)
+
+            dh = scaled(dh)
+            return ((None if dh is None else dh.reshape(ctx.hidden_shape)), scaled(dw),
+                    scaled(db), *tail)
+        h, weight, bias, y, lse, coef = ctx.saved_tensors
+        n = h.shape[0]
+        needs = ctx.needs_input_grad
+        cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
+        coef = coef * cot[:, None]
+        coef[:, 0] += g_lse.reshape(-1).float()
+        f32 = dict(dtype=torch.float32, device=h.device)
+        dh = torch.empty_like(h) if needs[0] else None
+        dw = torch.zeros(weight.shape, **f32) if needs[1] else None
+        db = torch.zeros(bias.shape, **f32) if bias is not None and needs[2] else None
+        for start in range(0, n, ctx.chunk):
+            hc = h[start:start + ctx.chunk]
+            sl = slice(start, start + hc.shape[0])
+            z = _logits(hc, weight, bias, ctx.layout).contiguous()
+            g = _bwd(z, y[sl], lse[sl], coef[sl].contiguous(), ctx.softcap)
+            _accumulate(hc, weight, g, ctx.layout, dh, dw, db, start)
+            del z, g
+        return (None if dh is None else dh.reshape(ctx.hidden_shape),
+                None if dw is None else dw.to(weight.dtype),
+                None if db is None else db.to(bias.dtype), *tail)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         bias: torch.Tensor | None = None, weight_layout: str = "dv",
+                         ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         logit_softcap: float | None = None, return_lse: bool = False,
+                         chunk_size: int | None = None):
+    """`jax_fusedloss.linear_cross_entropy` from PyTorch (see its docs): token chunks, torch
+    matmuls, the same Triton cross-entropy kernels; gradients computed in the forward (scaled
+    in the backward), recomputed in the backward for reduction="none" or return_lse. First-order
+    only (backward with create_graph=True raises)."""
+    _checks.check_logits(hidden, "hidden")
+    _checks.check_choice(weight_layout, "weight_layout", ("dv", "vd"))
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor ([D, V] for 'dv', [V, D] for 'vd'), "
+                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
+    d_axis = 0 if weight_layout == "dv" else 1
+    dim = hidden.shape[-1]
+    if weight.shape[d_axis] != dim:
+        raise ValueError(f"weight.shape={tuple(weight.shape)} with weight_layout="
+                         f"{weight_layout!r} needs weight.shape[{d_axis}] == "
+                         f"hidden.shape[-1]={dim}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}")
+    vocab = weight.shape[1 - d_axis]
+    _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
+    if bias is not None:
+        _checks.check_logits(bias, "bias")
+        if tuple(bias.shape) != (vocab,):
+            raise ValueError(f"bias.shape={tuple(bias.shape)} must equal (V,)=({vocab},)")
+    _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
+    smoothing = _checks.check_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    z_loss = _checks.check_float(z_loss, "z_loss", lo=0.0)
+    if logit_softcap is not None:
+        logit_softcap = _checks.check_float(logit_softcap, "logit_softcap", lo=0.0,
+                                            lo_open=True)
+    ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    n = labels.numel()
+    if chunk_size is None:
+        chunk = default_chunk_size(n, vocab, hidden.dtype)
+    else:
+        chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    if n == 0:
+        zero = 0.0 * (hidden.sum() + weight.sum()).float()
+        loss = hidden.new_zeros(labels.shape, dtype=torch.float32) + zero if (
+            reduction == "none") else zero
+        return (loss, hidden.new_zeros(labels.shape, dtype=torch.float32)) if return_lse \
+            else loss
+    loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, labels, weight_layout, chunk,
+                                          ignore_index, reduction, smoothing, z_loss,
+                                          logit_softcap, bool(return_lse))
+    return (loss, lse) if return_lse else loss
