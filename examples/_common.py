@@ -20,8 +20,10 @@ from tqdm.auto import tqdm
 import jax_fusedloss
 
 if __package__:
+    from examples import _mesh
     from examples._data import IGNORE_INDEX, LMData, batches
 else:
+    import _mesh
     from _data import IGNORE_INDEX, LMData, batches
 
 # (model, aux, inputs, labels) -> scalar loss; `aux` is any extra pytree or module (a teacher).
@@ -117,12 +119,23 @@ def lm_loss(logits: jax.Array, labels: jax.Array, *, impl: str, z_loss: float) -
     return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def ce_objective(impl: str, z_loss: float) -> LossFn:
-    """The language-model training objective as a `LossFn` (no auxiliary input)."""
+def ce_objective(impl: str, z_loss: float, *,
+                 logits_sharding: jax.sharding.Sharding | None = None,
+                 on_logits: Callable[[jax.Array], None] | None = None) -> LossFn:
+    """The language-model training objective as a `LossFn` (no auxiliary input).
+
+    `logits_sharding` pins the logits' layout (on a mesh: `P("data", None, "model")`);
+    `on_logits` is a debugging hook called, while tracing, on the logits the loss receives.
+    """
 
     def loss_fn(model: nnx.Module, aux: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         del aux
-        return lm_loss(model(x), y, impl=impl, z_loss=z_loss)
+        logits = model(x)
+        if logits_sharding is not None:
+            logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
+        if on_logits is not None:
+            on_logits(logits)
+        return lm_loss(logits, y, impl=impl, z_loss=z_loss)
 
     return loss_fn
 
@@ -133,15 +146,19 @@ def _eval_sums(model: nnx.Module, x: jax.Array, y: jax.Array) -> tuple[jax.Array
     return loss, jnp.sum(y != IGNORE_INDEX)
 
 
-def evaluate(model: nnx.Module, inputs: np.ndarray, labels: np.ndarray, batch_size: int) -> float:
-    """Token-weighted mean cross-entropy (no z-loss, padding ignored) over a whole split."""
+def evaluate(model: nnx.Module, inputs: np.ndarray, labels: np.ndarray, batch_size: int, *,
+             place: Callable[[np.ndarray], Any] = np.asarray) -> float:
+    """Token-weighted mean cross-entropy (no z-loss, padding ignored) over a whole split.
+
+    `place` puts each host batch where the model expects it (on a mesh: split over "data")."""
     n = len(inputs)
     pad = (-n) % batch_size  # pad to whole batches with ignored rows: one compiled shape
     inputs = np.concatenate([inputs, np.zeros((pad, inputs.shape[1]), inputs.dtype)])
     labels = np.concatenate([labels, np.full((pad, labels.shape[1]), IGNORE_INDEX, labels.dtype)])
     total, count = 0.0, 0
     for i in range(0, len(inputs), batch_size):
-        loss, cnt = _eval_sums(model, inputs[i:i + batch_size], labels[i:i + batch_size])
+        loss, cnt = _eval_sums(model, place(inputs[i:i + batch_size]),
+                               place(labels[i:i + batch_size]))
         total += float(loss)
         count += int(cnt)
     return total / max(count, 1)
@@ -187,7 +204,8 @@ def _make_step(loss_fn: LossFn):
 
 
 def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
-          aux: Any = None, desc: str = "train", loss_label: str = "loss") -> dict:
+          aux: Any = None, desc: str = "train", loss_label: str = "loss",
+          mesh: jax.sharding.Mesh | None = None) -> dict:
     """Trains `model` in place on `data` and returns its history.
 
     Batches depend only on `cfg.seed`, so two runs with one seed see the same data in the same
@@ -200,15 +218,23 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
     The progress bar shows the steps done, the training loss of the latest step (named
     `loss_label`: say what the objective is when it is not the plain cross-entropy), the
     latest validation loss with the step it was measured after (`val=4.83@300`), and tokens/s.
+
+    With a `mesh`, the model and the optimiser state are placed on it (see `_mesh`: replicated
+    but for the LM head, split by vocabulary over "model") and every batch is split over "data".
     """
     optimizer = make_optimizer(model, cfg)
+    place: Callable[[np.ndarray], Any] = np.asarray
+    if mesh is not None:
+        _mesh.shard_(model, mesh)
+        _mesh.shard_(optimizer, mesh)
+        place = _mesh.placer(mesh)
     step_fn = _make_step(loss_fn)
     eval_every = cfg.eval_every or max(1, cfg.steps // 10)
     eval_batch = 2 * cfg.batch_size
     tokens_per_step = cfg.batch_size * data.train_inputs.shape[1]
     stream = batches(data.train_inputs, data.train_labels, cfg.batch_size, cfg.seed)
     losses: list[jax.Array] = []
-    val_curve = [(0, evaluate(model, data.val_inputs, data.val_labels, eval_batch))]
+    val_curve = [(0, evaluate(model, data.val_inputs, data.val_labels, eval_batch, place=place))]
     train_time, timed_steps, last_sync = 0.0, 0, 1
     t0 = time.perf_counter()
     start = time.perf_counter()
@@ -217,7 +243,7 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
     pending = 0  # steps done but not yet counted on the bar
     for step in range(1, cfg.steps + 1):
         x, y = next(stream)
-        losses.append(step_fn(model, optimizer, aux, x, y))
+        losses.append(step_fn(model, optimizer, aux, place(x), place(y)))
         pending += 1
         if step == 1 or step % cfg.log_every == 0 or step % eval_every == 0 or step == cfg.steps:
             loss = float(losses[-1])  # waits for the step to finish
@@ -229,7 +255,7 @@ def train(model: nnx.Module, loss_fn: LossFn, data: LMData, cfg: TrainConfig, *,
             tok_s = f"{timed_steps * tokens_per_step / train_time:,.0f}" if train_time else "-"
             postfix.update({loss_label: f"{loss:.3f}", "tok_s": tok_s})
             if step % eval_every == 0 or step == cfg.steps:
-                val = evaluate(model, data.val_inputs, data.val_labels, eval_batch)
+                val = evaluate(model, data.val_inputs, data.val_labels, eval_batch, place=place)
                 val_curve.append((step, val))
                 postfix["val"] = f"{val:.3f}@{step}"
             bar.set_postfix(postfix, refresh=False)
@@ -314,4 +340,4 @@ def runtime_info() -> dict:
     """The JAX backend and device (`jax_fusedloss` runs its Triton kernels on a CUDA GPU and
     its pure-XLA implementation elsewhere)."""
     return dict(backend=jax.default_backend(), device=jax.devices()[0].device_kind,
-                jax_version=jax.__version__)
+                device_count=jax.device_count(), jax_version=jax.__version__)

@@ -8,6 +8,13 @@ cross-entropy (same objective, same data, same seed) for an A/B comparison.
     python -m examples.train_lm                      # CPU default: a few minutes on 2 cores
     python -m examples.train_lm --loss optax --out out/train_lm_optax
     python -m examples.train_lm --preset gpu --out out/train_lm_gpu
+    python -m examples.train_lm --preset gpu --mesh data=2 --out out/train_lm_dp2
+    python -m examples.train_lm --preset gpu --mesh data=1,model=2 --out out/train_lm_vp2
+
+`--mesh` runs on every device JAX sees: "data" splits each batch, "model" splits the vocabulary
+of the LM head (the tied embedding), so the logits are laid out `P("data", None, "model")`;
+run it with `--loss fused` and `--loss optax` to compare tokens/s on one mesh. On a CPU,
+`XLA_FLAGS=--xla_force_host_platform_device_count=4` gives four devices.
 
 Writes `metrics.json` and `loss_curves.png` to `--out`.
 """
@@ -15,17 +22,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import jax
 from flax import nnx
 
 if __package__:
-    from examples import _common, _data
+    from examples import _common, _data, _mesh
 else:
     import _common
     import _data
+    import _mesh
 
 PRESETS: dict[str, dict] = {
     # About 2 minutes on a 2-core CPU: 1.5M parameters (1.0M of them the tied embedding),
@@ -69,13 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="data order, model init and file subset")
     p.add_argument("--out", type=Path, default=Path("out/train_lm"), help="output directory")
     p.add_argument("--cache-dir", type=Path, help="tokenizer cache (default: OUT/cache)")
+    p.add_argument("--mesh", metavar="AXIS=N,...",
+                   help="a device mesh over all devices: data=N splits the batch, model=M the "
+                        "LM head's vocabulary (e.g. data=2 or data=1,model=2; sizes multiply to "
+                        "the device count); unset: no mesh, one device")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parses `argv` and fills the unset size flags from the preset."""
-    return _common.apply_preset(build_parser().parse_args(argv), PRESETS)
+    """Parses `argv`, fills the unset size flags from the preset and turns `--mesh` into a
+    `jax.sharding.Mesh` (a usage error if it does not name "data"/"model" sizes that multiply
+    to the device count)."""
+    parser = build_parser()
+    args = _common.apply_preset(parser.parse_args(argv), PRESETS)
+    if args.mesh is not None:
+        try:
+            args.mesh = _mesh.make_mesh(_mesh.parse_mesh(args.mesh))
+        except ValueError as e:
+            parser.error(str(e))
+    return args
 
 
 def load_data(args: argparse.Namespace) -> _data.LMData:
@@ -99,12 +122,38 @@ def train_config(args: argparse.Namespace) -> _common.TrainConfig:
                                progress=not args.no_progress)
 
 
+def first_batch(data: _data.LMData, args: argparse.Namespace):
+    """The first training batch (on the mesh, if any)."""
+    x, y = next(_data.batches(data.train_inputs, data.train_labels, args.batch, args.seed))
+    if args.mesh is None:
+        return x, y
+    place = _mesh.placer(args.mesh)
+    return place(x), place(y)
+
+
 def first_step_check(model: nnx.Module, data: _data.LMData, args: argparse.Namespace) -> dict:
     """Both losses on the first training batch at the initial parameters (they must agree)."""
-    x, y = next(_data.batches(data.train_inputs, data.train_labels, args.batch, args.seed))
-    logits = model(x)
-    return {impl: float(_common.lm_loss(logits, y, impl=impl, z_loss=args.z_loss))
-            for impl in _common.LOSS_IMPLS}
+    def losses(model: nnx.Module, x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
+        logits = model(x)
+        return {impl: _common.lm_loss(logits, y, impl=impl, z_loss=args.z_loss)
+                for impl in _common.LOSS_IMPLS}
+
+    return {impl: float(v) for impl, v in nnx.jit(losses)(model, *first_batch(data, args)).items()}
+
+
+def place_on_mesh(model: nnx.Module, objective, data: _data.LMData,
+                  args: argparse.Namespace) -> dict:
+    """Moves `model` onto `args.mesh`, compiles the loss once there and prints the layout.
+
+    Returns `_mesh.logits_report`'s `logits_spec` and `logits_collectives`.
+    """
+    mesh = args.mesh
+    _mesh.check_sizes(mesh, batch=args.batch, vocab=data.vocab_size)
+    _mesh.shard_(model, mesh)
+    report = _mesh.logits_report(model, objective, mesh, *first_batch(data, args))
+    print(f"mesh: {_mesh.describe(mesh)} | logits {report['logits_spec']} | logits-sized "
+          f"collectives in the compiled loss + gradient: {len(report['logits_collectives'])}")
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -114,19 +163,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = load_data(args)
     cfg = model_config(args, data.vocab_size)
     model = _common.TransformerLM(cfg, rngs=nnx.Rngs(args.seed))
+    mesh = args.mesh
+    objective = functools.partial(
+        _common.ce_objective, args.loss, args.z_loss,
+        logits_sharding=None if mesh is None else _mesh.logits_sharding(mesh))
+    sharding = {} if mesh is None else place_on_mesh(model, objective, data, args)
     check = first_step_check(model, data, args)
     print(f"data: {data.info['train_tokens']:,} training tokens, {data.info['val_seqs']} "
           f"validation sequences, padding {100 * data.info['padding_fraction']:.2f}% | "
           f"model: {_common.num_params(model):,} parameters | loss: {args.loss}")
-    hist = _common.train(model, _common.ce_objective(args.loss, args.z_loss), data,
-                         train_config(args), desc=f"train_lm ({args.loss})")
+    hist = _common.train(model, objective(), data, train_config(args), mesh=mesh,
+                         desc=f"train_lm ({args.loss})")
     metrics = dict(
         loss_impl=args.loss, first_loss=hist["first_loss"], final_loss=hist["final_loss"],
         first_val_loss=hist["first_val_loss"], final_val_loss=hist["final_val_loss"],
         tokens_per_s=hist["tokens_per_s"], wall_s=hist["wall_s"],
         first_step_check=check, num_params=_common.num_params(model),
+        mesh=None if mesh is None else dict(mesh.shape), **sharding,
         runtime=_common.runtime_info(), data=data.info, model=dataclasses.asdict(cfg),
-        args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        args={k: v if v is None or isinstance(v, int | float | str) else str(v)
+              for k, v in vars(args).items()} | {"mesh": mesh and _mesh.describe(mesh)},
         train_losses=hist["train_losses"], val_curve=hist["val_curve"])
     _common.plot_curves({args.loss: hist}, args.out / "loss_curves.png",
                         f"train_lm: {_common.num_params(model) / 1e6:.1f}M parameters, "
@@ -136,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"train loss {hist['first_loss']:.4f} -> {hist['final_loss']:.4f} | validation loss "
           f"{hist['first_val_loss']:.4f} -> {hist['final_val_loss']:.4f} | {tok_s:,.0f} tok/s | "
           f"{hist['wall_s']:.1f} s | first-step loss fused {check['fused']:.6f} "
-          f"optax {check['optax']:.6f} | wrote {args.out}")
+          f"optax {check['optax']:.6f}{'' if mesh is None else ' | mesh ' + _mesh.describe(mesh)} "
+          f"| wrote {args.out}")
     return metrics
 
 

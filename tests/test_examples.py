@@ -1,4 +1,5 @@
-"""Smoke tests of the examples: a few CPU steps with tiny settings, in-process.
+"""Smoke tests of the examples: a few CPU steps with tiny settings, in-process (the `--mesh`
+runs: in a subprocess that sees 4 CPU devices).
 
 Each run trains a tokenizer on ~0.3 MB of the standard library (cached for the module), a
 one-block model and a 512-token vocabulary for a handful of steps.
@@ -6,6 +7,11 @@ one-block model and a 512-token vocabulary for a handful of steps.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +25,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_fusedloss  # noqa: E402
-from examples import _common, _data, distill, train_lm  # noqa: E402
+from examples import _common, _data, _mesh, distill, train_lm  # noqa: E402
 
 TINY = ["--vocab", "512", "--text-mb", "0.3", "--seq-len", "64", "--batch", "8",
         "--d-model", "64", "--layers", "1", "--heads", "2", "--lr", "1e-2", "--no-progress"]
@@ -125,3 +131,61 @@ def test_distill_smoke(tmp_path, cache_dir, monkeypatch):
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "loss_curves.png").exists()
     assert labels == [("teacher", "loss"), ("student (distilled)", "0.5*ce+0.5*kd"),
                       ("student (baseline)", "ce")], labels
+
+
+def test_mesh_flag_is_validated(tmp_path, cache_dir, capsys):
+    n = jax.device_count()
+    args = train_lm.parse_args(_tiny(tmp_path, cache_dir, "--mesh", f"data={n}"))
+    assert dict(args.mesh.shape) == {"data": n, "model": 1}
+    for mesh, message in ((f"data={n + 1}", f"must multiply to {n}"),
+                          ("tensor=1", "axis 'tensor' is unknown"),
+                          ("data2", "must be NAME=SIZE"),
+                          ("data=1,data=1", "given twice"),
+                          ("model=0", "at least 1")):
+        with pytest.raises(SystemExit):
+            train_lm.parse_args(_tiny(tmp_path, cache_dir, "--mesh", mesh))
+        assert message in capsys.readouterr().err, mesh
+    sizes = types.SimpleNamespace(shape={"data": 2, "model": 2})
+    with pytest.raises(ValueError, match="--batch 9 is not a multiple of the mesh's data=2"):
+        _mesh.check_sizes(sizes, batch=9, vocab=512)
+    with pytest.raises(ValueError, match="vocabulary of 511 tokens is not a multiple"):
+        _mesh.check_sizes(sizes, batch=8, vocab=511)
+
+
+def _run_on_4_cpus(out, cache_dir, *flags: str) -> tuple[dict, str]:
+    """Runs train_lm.py in a fresh process that sees 4 CPU devices; returns its metrics and
+    stdout. (The device count is fixed when jax starts, hence the subprocess.)"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "examples.train_lm",
+                           *_tiny(out, cache_dir, "--steps", "4", *flags)],
+                          cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text()), proc.stdout
+
+
+@pytest.mark.parametrize("mesh, loss, logits_spec", [
+    ("data=2,model=2", "fused", "P('data', None, 'model')"),
+    ("data=2,model=2", "optax", "P('data', None, 'model')"),
+    ("data=4", "fused", "P('data',)"),  # the size-1 "model" axis drops out of the spec
+])
+def test_train_lm_on_a_mesh_of_4_cpu_devices(tmp_path, cache_dir, mesh, loss, logits_spec):
+    metrics, stdout = _run_on_4_cpus(tmp_path, cache_dir, "--mesh", mesh, "--loss", loss)
+    sizes = {"data": 1, "model": 1} | {k: int(v) for k, v in
+                                       (item.split("=") for item in mesh.split(","))}
+    assert metrics["mesh"] == sizes and metrics["runtime"]["device_count"] == 4
+    assert f"mesh: data={sizes['data']} x model={sizes['model']} (4 cpu devices)" in stdout
+    # The loss sees the logits split as intended, and nothing in the compiled loss + gradient
+    # gathers them (no collective as large as one device's share of the logits).
+    assert metrics["logits_spec"] == logits_spec
+    assert metrics["logits_collectives"] == [], metrics["logits_collectives"]
+    assert metrics["hlo_collectives"] > 0, "the HLO scan found no collective at all"
+    losses = metrics["train_losses"]
+    assert np.isfinite(losses).all() and np.isfinite(metrics["final_val_loss"]), losses
+    assert abs(losses[0] - np.log(metrics["data"]["vocab_size"])) < 0.5, losses[0]
+    assert losses[-1] < losses[0] and metrics["final_val_loss"] < metrics["first_val_loss"]
+    assert metrics["loss_impl"] == loss and metrics["tokens_per_s"] > 0
+    check = metrics["first_step_check"]  # fused and optax on the same mesh, batch and init
+    np.testing.assert_allclose(check["fused"], check["optax"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["first_loss"], check[loss], rtol=1e-5)
