@@ -174,6 +174,13 @@ def labels_to_int32(labels: jax.Array, ignore_index: int | None, vocab: int) -> 
     return out
 
 
+def vocab_size(logits, vocab_axis) -> int:
+    """The vocabulary the labels index: the logits' last axis, times the size of `vocab_axis`
+    inside shard_map when the vocabulary is split across it."""
+    vocab = logits.shape[-1]
+    return vocab if vocab_axis is None else vocab * jax.lax.axis_size(vocab_axis)
+
+
 def flatten_rows(x: jax.Array) -> jax.Array:
     """[..., V] -> [N, V] (a free reshape for contiguous JAX arrays)."""
     return x.reshape(-1, x.shape[-1])

@@ -240,3 +240,17 @@ def merge_across(axes: tuple[str, ...], m, s, u=None, sums: Sequence[jax.Array] 
     u_out = total[..., 1] if u is not None else None
     rest = total[..., len(cols):]
     return (m_all, total[..., 0], u_out) + tuple(rest[..., i] for i in range(len(sums)))
+
+
+def run(row_fns: Callable[[str], dict[str, RowFns]], opts, role: str, *arrays):
+    """Runs row function `role` of the implementation `opts.implementation`, partitioned across
+    devices (`call_rows`), with `row_fns(implementation)` giving an op's row functions. Where
+    the Triton path runs in the interpreter, the XLA twin's row functions are the fallback for
+    partitioned programs over several devices."""
+    from jax_fusedloss import _triton_jax
+
+    fallback = None
+    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
+        fallback = row_fns("xla")[role]
+    return call_rows(row_fns(opts.implementation)[role], fallback, *arrays,
+                     vocab_axis=opts.vocab_axis)

@@ -182,12 +182,7 @@ def _xla_scale_rows(grad, cot):
 
 
 def _call(opts: CEOptions, role: str, *arrays):
-    """Runs one row function of opts.implementation, partitioned across devices."""
-    fns = _row_fns(opts, opts.implementation)[role]
-    fallback = None
-    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
-        fallback = _row_fns(opts, "xla")[role]
-    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+    return _sharding.run(functools.partial(_row_fns, opts), opts, role, *arrays)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -314,18 +309,18 @@ def cross_entropy(
     _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing} must lie in [0, 1]")
-    if float(z_loss) < 0:
-        raise ValueError(f"z_loss={z_loss} must be >= 0")
-    if logit_softcap is not None and not float(logit_softcap) > 0:
-        raise ValueError(f"logit_softcap={logit_softcap} must be > 0 or None")
-    opts = CEOptions(int(ignore_index), reduction, float(label_smoothing), float(z_loss),
-                     None if logit_softcap is None else float(logit_softcap), bool(return_lse),
-                     "", _common.check_axis_name(vocab_axis))
+    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    z_loss = _common.check_static_float(z_loss, "z_loss", lo=0.0)
+    softcap = None if logit_softcap is None else _common.check_static_float(
+        logit_softcap, "logit_softcap", lo=0.0, lo_open=True)
+    ignore_index = _common.check_static_int(ignore_index, "ignore_index")
+    vocab_axis = _common.check_axis_name(vocab_axis)
+    opts = CEOptions(ignore_index, reduction, smoothing, z_loss, softcap, bool(return_lse), "",
+                     vocab_axis)
     lead = labels.shape
     x = _common.flatten_rows(logits)
-    y = labels.reshape(-1).astype(jnp.int32)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
+                                _common.vocab_size(logits, vocab_axis))
     if x.shape[0] == 0:
         loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss

@@ -93,10 +93,11 @@ def distill_loss(
     _common.check_int_array(labels, "labels", student_logits.shape[:-1],
                             "student_logits.shape[:-1]")
     t = check_options(temperature, normalize, reduction, num_items, implementation)
-    if not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
+    ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     lead = labels.shape
-    y = labels.reshape(-1).astype(jnp.int32)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
+                                _common.vocab_size(student_logits, vocab_axis))
     active = y != ignore_index
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             active, vocab_axis)

@@ -142,11 +142,7 @@ def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
 
 
 def _call(opts: KDOptions, role: str, *arrays):
-    fns = _row_fns(opts, opts.implementation)[role]
-    fallback = None
-    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
-        fallback = _row_fns(opts, "xla")[role]
-    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+    return _sharding.run(functools.partial(_row_fns, opts), opts, role, *arrays)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -221,12 +217,7 @@ def check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
 
 def check_options(temperature, normalize, reduction, num_items, implementation) -> float:
     """Checks the options shared by kd_loss and distill_loss; returns the temperature."""
-    try:
-        t = float(temperature)
-    except (TypeError, jax.errors.ConcretizationTypeError) as e:
-        raise TypeError(f"temperature={temperature!r} must be a Python float") from e
-    if not 0.0 < t < float("inf"):
-        raise ValueError(f"temperature={temperature} must be a finite number > 0")
+    t = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
     _common.check_choice(normalize, "normalize", NORMALIZATIONS)
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)
@@ -239,8 +230,8 @@ def check_options(temperature, normalize, reduction, num_items, implementation) 
                                                                                  "shape")):
         raise TypeError(f"num_items must be an int or a scalar array, got "
                         f"{type(num_items).__name__}")
-    if isinstance(num_items, int) and num_items < 1:
-        raise ValueError(f"num_items={num_items} must be >= 1")
+    if isinstance(num_items, int):
+        _common.check_static_int(num_items, "num_items", lo=1)
     if hasattr(num_items, "shape") and jnp.shape(num_items) != ():
         raise ValueError(f"num_items.shape={jnp.shape(num_items)} must be () (a scalar)")
     return t

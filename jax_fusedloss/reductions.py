@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -160,11 +159,7 @@ def _row_fns(opts: RedOptions, impl: str, has_label: bool) -> dict[str, _shardin
 
 
 def _call(opts: RedOptions, role: str, has_label: bool, *arrays):
-    fns = _row_fns(opts, opts.implementation, has_label)[role]
-    fallback = None
-    if opts.implementation == "triton" and not _triton_jax.on_cuda_gpu():
-        fallback = _row_fns(opts, "xla", has_label)[role]
-    return _sharding.call_rows(fns, fallback, *arrays, vocab_axis=opts.vocab_axis)
+    return _sharding.run(lambda impl: _row_fns(opts, impl, has_label), opts, role, *arrays)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -212,19 +207,16 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
     if labels is not None:
         _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_implementation(implementation)
-    try:
-        temperature = float(temperature)  # a traced value raises ConcretizationTypeError here
-    except TypeError as e:
-        raise TypeError(f"temperature must be a static Python float, got {temperature!r}") from e
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature={temperature} must be a finite number > 0")
+    temperature = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
+    vocab_axis = _common.check_axis_name(vocab_axis)
     lead = logits.shape[:-1]
     x = _common.flatten_rows(logits)
-    y = None if labels is None else labels.reshape(-1).astype(jnp.int32)
+    y = None if labels is None else _common.labels_to_int32(
+        labels.reshape(-1), None, _common.vocab_size(logits, vocab_axis))
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
-    opts = RedOptions(temperature, entropy, "", _common.check_axis_name(vocab_axis))
+    opts = RedOptions(temperature, entropy, "", vocab_axis)
     outs = _common.dispatch_op(_rows, implementation, x, y, opts=opts)
     return tuple(None if o is None else o.reshape(lead) for o in outs)
 

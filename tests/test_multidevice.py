@@ -46,3 +46,19 @@ def test_four_cpu_devices_triton_interpreter(interpreter):
 def test_gpus_compiled_kernels_large_vocab():
     """Compiled kernels at V=128256 bf16 on every GPU present (a 1 x n mesh)."""
     _run("triton", {"JFL_CHECK_BIG": "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, 900)
+
+
+def test_readme_multi_gpu_example(tmp_path, interpreter):
+    """The README's Multi-GPU snippets run as written on 4 CPU devices."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text[text.index("## Multi-GPU"):text.index("## Performance")]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    script = tmp_path / "readme_multi_gpu.py"
+    script.write_text(code + "\nimport numpy as np\nassert np.isfinite(float(loss))\n")
+    env = dict(os.environ, **CPU4, PYTHONPATH=ROOT)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -413,22 +413,16 @@ def test_wide_labels_through_the_kernels(interpreter):
         assert np.isnan(loss[0]) and np.isfinite(loss[1]) and loss[2] == 0, (impl, loss)
 
 
-# ----------------------------------------------------------------------------- wiring (lead)
-# These need the calls listed in the hand-over (check_static_float / check_static_int /
-# labels_to_int32 in the public functions). strict: once wired they XPASS, which fails, and
-# the marker is to be removed.
-WIRING = pytest.mark.xfail(strict=True, reason="public functions not yet wired to _common's "
-                                              "check_static_float / labels_to_int32")
+# ----------------------------------------------------------------------------- public API
+# The public functions validate through _common's check_static_float / check_static_int and
+# narrow labels with labels_to_int32.
 
-
-@WIRING
 def test_public_softcap_inf_rejected():
     with pytest.raises(ValueError, match="logit_softcap"):
         jax_fusedloss.cross_entropy(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32),
                                     logit_softcap=INF, implementation="xla")
 
 
-@WIRING
 def test_public_traced_option_names_argument():
     x, y = jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32)
     with pytest.raises(TypeError, match="label_smoothing must be a static"):
@@ -436,14 +430,12 @@ def test_public_traced_option_names_argument():
                                                       implementation="xla"))(0.1)
 
 
-@WIRING
 def test_public_nan_z_loss_rejected():
     with pytest.raises(ValueError, match="z_loss"):
         jax_fusedloss.cross_entropy(jnp.zeros((2, 5)), jnp.zeros(2, jnp.int32), z_loss=NAN,
                                     implementation="xla")
 
 
-@WIRING
 def test_public_int64_labels_checked_at_own_width():
     x = jnp.asarray(np.random.default_rng(16).normal(size=(2, 40)), jnp.float32)
     with jax.enable_x64(True):
