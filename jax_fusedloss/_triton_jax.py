@@ -171,6 +171,35 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
                       out_shapes, constexprs, aliases)
 
 
+def run_plan(plan, **arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Executes a launch plan (jax_fusedloss/kernels/plan.py) over named arrays; returns the
+    plan's results. Buffers of dtype "logits" take the dtype of the first array."""
+    env = dict(arrays)
+    dtypes = {"float32": jnp.float32, "int32": jnp.int32,
+              "logits": next(iter(arrays.values())).dtype}
+    for step in plan.launches:
+        inputs = [env[i] if isinstance(i, str) else jnp.zeros(i.shape, dtypes[i.dtype])
+                  for i in step.inputs]
+        outs = launch(step.kernel, grid=step.grid, inputs=inputs, scalars=step.scalars,
+                      out_shapes=[jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype])
+                                  for b in step.outputs],
+                      num_warps=step.num_warps, constexprs=step.constexprs,
+                      input_output_aliases=dict(step.aliases))
+        env.update((b.name, o) for b, o in zip(step.outputs, outs))
+    return tuple(env[name] for name in plan.results)
+
+
+def run_rows(make_plan: Callable[[int, int], Any], names: Sequence[str],
+             *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """run_plan(make_plan(n, vocab)) over arrays (bound to `names`) that all lead with the row
+    axis, the first being `[n, vocab]`; vmappable (see rowwise)."""
+    def body(*arrays):
+        n, vocab = arrays[0].shape
+        return run_plan(make_plan(n, vocab), **dict(zip(names, arrays)))
+
+    return rowwise(body)(*arrays)
+
+
 def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:
     """Makes `fn(*arrays)`, whose arrays and outputs all lead with one row axis, vmappable.
 

@@ -25,109 +25,43 @@ class CEOptions(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- Triton launches
-def _kernels():
-    from jax_fusedloss.kernels import cross_entropy as k
-    from jax_fusedloss.kernels import launch
+def _plans():
+    from jax_fusedloss.kernels import cross_entropy
 
-    return k, launch
+    return cross_entropy
 
 
-def _flags(opts: CEOptions) -> dict:
-    return dict(HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.smoothing > 0)
+def _plan_options(opts: CEOptions) -> dict:
+    return dict(ignore_index=opts.ignore_index, smoothing=opts.smoothing, z_loss=opts.z_loss,
+                softcap=opts.softcap, num_sms=_triton_jax.num_sms())
 
 
 def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
     """Per-row (loss, lse, coef) and, if write_grad, the unit-cotangent gradient."""
-    k, launch = _kernels()
-    f32 = jnp.float32
-
-    def body(x, y, row_scale):
-        n, vocab = x.shape
-        cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
-        softcap = float(opts.softcap or 1.0)
-        row_outs = [jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n,), f32),
-                    jax.ShapeDtypeStruct((n, 3), f32)]
-        if cfg.num_splits == 1:
-            grad_shape = (n, vocab) if write_grad else (1,)
-            outs = _triton_jax.launch(
-                k.ce_fwd_kernel, grid=(n,), inputs=[x, y, row_scale],
-                scalars=[vocab, vocab, opts.ignore_index, opts.smoothing, opts.z_loss, softcap],
-                out_shapes=row_outs + [jax.ShapeDtypeStruct(grad_shape, x.dtype)],
-                num_warps=cfg.num_warps,
-                constexprs=dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=opts.z_loss > 0,
-                                WRITE_GRAD=write_grad, **_flags(opts)))
-            return outs if write_grad else outs[:3]
-        (part,) = _triton_jax.launch(
-            k.ce_partial_kernel, grid=(n, cfg.num_splits), inputs=[x, y],
-            scalars=[vocab, vocab, softcap],
-            out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)],
-            num_warps=cfg.num_warps,
-            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                            **_flags(opts)))
-        loss, lse, coef = _triton_jax.launch(
-            k.ce_merge_kernel, grid=(n,), inputs=[part, y, row_scale],
-            scalars=[vocab, opts.ignore_index, opts.smoothing, opts.z_loss], out_shapes=row_outs,
-            num_warps=1,
-            constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=launch.merge_block(cfg.num_splits),
-                            HAS_SMOOTHING=opts.smoothing > 0, HAS_ZLOSS=opts.z_loss > 0))
-        if not write_grad:
-            return loss, lse, coef
-        return loss, lse, coef, _triton_rows_bwd_body(x, y, lse, coef, opts)
-
-    return _triton_jax.rowwise(body)(x, y, row_scale)
-
-
-def _triton_rows_bwd_body(x, y, lse, coef, opts: CEOptions):
-    k, launch = _kernels()
-    n, vocab = x.shape
-    cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad=True)
-    (grad,) = _triton_jax.launch(
-        k.ce_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, y, lse, coef],
-        scalars=[vocab, vocab, float(opts.softcap or 1.0)],
-        out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
-        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                        HAS_SOFTCAP=opts.softcap is not None))
-    return grad
+    plan = functools.partial(_plans().ce_fwd_plan, write_grad=write_grad, **_plan_options(opts))
+    return _triton_jax.run_rows(plan, ("x", "y", "row_scale"), x, y, row_scale)
 
 
 def _triton_rows_bwd(x, y, lse, coef, opts: CEOptions):
-    body = functools.partial(_triton_rows_bwd_body, opts=opts)
-    return _triton_jax.rowwise(lambda x, y, lse, coef: (body(x, y, lse, coef),))(x, y, lse, coef)[0]
+    plan = functools.partial(_plans().ce_bwd_plan, softcap=opts.softcap,
+                             num_sms=_triton_jax.num_sms())
+    return _triton_jax.run_rows(plan, ("x", "y", "lse", "coef"), x, y, lse, coef)[0]
 
 
 def scale_rows(grad: jax.Array, cot: jax.Array) -> jax.Array:
     """grad * cot[:, None] in place (rows with cot == 1 are skipped) through a Triton kernel."""
-    k, launch = _kernels()
+    def plan(n, vocab):
+        return _plans().scale_rows_plan(n, vocab, grad.dtype.itemsize)
 
-    def body(grad, cot):
-        n, vocab = grad.shape
-        return _triton_jax.launch(
-            k.scale_rows_kernel, grid=(n,), inputs=[grad, cot], scalars=[vocab],
-            out_shapes=[jax.ShapeDtypeStruct(grad.shape, grad.dtype)], num_warps=8,
-            constexprs=launch.scale_rows_constexprs(vocab, grad.dtype.itemsize),
-            input_output_aliases={0: 0})
-
-    return _triton_jax.rowwise(body)(grad, cot)[0]
+    return _triton_jax.run_rows(plan, ("grad", "cot"), grad, cot)[0]
 
 
 def _triton_slice_stats(x, y, opts: CEOptions):
     """Per-row (max, sum exp, sum z, z[y] or 0) of `[N, V]` through ce_partial_kernel; y may lie
     outside [0, V) (a label in another device's vocabulary slice)."""
-    k, launch = _kernels()
-
-    def body(x, y):
-        n, vocab = x.shape
-        cfg = launch.row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms())
-        (part,) = _triton_jax.launch(
-            k.ce_partial_kernel, grid=(n, cfg.num_splits), inputs=[x, y],
-            scalars=[vocab, vocab, float(opts.softcap or 1.0)],
-            out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), jnp.float32)],
-            num_warps=cfg.num_warps,
-            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                            **_flags(opts)))
-        return (part,)
-
-    (part,) = body(x, y)
+    plan = functools.partial(_plans().ce_partials_plan, softcap=opts.softcap,
+                             smoothing=opts.smoothing, num_sms=_triton_jax.num_sms())
+    (part,) = _triton_jax.run_rows(plan, ("x", "y"), x, y)
     m, s = _xla_red.merge_stats(part[..., 0], part[..., 1], None, axis=1)
     return m, s, part[..., 2].sum(axis=1), part[..., 3].sum(axis=1)
 

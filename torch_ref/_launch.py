@@ -19,6 +19,29 @@ def num_sms(t: torch.Tensor) -> int:
     return DEFAULT_NUM_SMS
 
 
+def run_plan(plan, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Executes a launch plan (jax_fusedloss/kernels/plan.py) over named tensors, which must be
+    contiguous (plans pass the row length as the row stride); returns the plan's results.
+    Buffers of dtype "logits" take the dtype of the first tensor."""
+    env = dict(tensors)
+    x = next(iter(tensors.values()))
+    if not x.is_contiguous():
+        raise ValueError("run_plan needs contiguous logits rows")
+    dtypes = {"float32": torch.float32, "int32": torch.int32, "logits": x.dtype}
+    for step in plan.launches:
+        inputs = [env[i] if isinstance(i, str) else
+                  torch.zeros(i.shape, dtype=dtypes[i.dtype], device=x.device)
+                  for i in step.inputs]
+        outs = [torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
+                for b in step.outputs]
+        for i, o in step.aliases:  # written in place: the output is the input's storage
+            outs[o] = inputs[i]
+        launch(step.kernel, step.grid, inputs, step.scalars, outs, step.num_warps,
+               step.constexprs)
+        env.update((b.name, o) for b, o in zip(step.outputs, outs))
+    return tuple(env[name] for name in plan.results)
+
+
 def launch(kernel, grid: tuple[int, ...], inputs: Sequence[Any], scalars: Sequence[Any],
            outputs: Sequence[torch.Tensor], num_warps: int = 4, constexprs: dict | None = None):
     if not inputs[0].is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":

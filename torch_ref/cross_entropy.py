@@ -4,58 +4,32 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import cross_entropy as k
-from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
-from torch_ref._launch import launch
+from torch_ref._launch import run_plan
 
 
 def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
+    """Per-row (loss, lse, coef) and the unit-cotangent gradient (or None): ce_fwd_plan."""
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    loss, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32), torch.empty(n, 3, **f32))
-    flags = dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0)
-    cap = float(softcap or 1.0)
-    grad = torch.empty_like(x) if write_grad else None
-    if cfg.num_splits == 1:
-        launch(k.ce_fwd_kernel, (n,), [x, y, row_scale],
-               [vocab, x.stride(0), ignore_index, smoothing, z_loss, cap],
-               [loss, lse, coef, grad if write_grad else torch.empty(1, dtype=x.dtype,
-                                                                       device=x.device)],
-               cfg.num_warps, dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
-                                   WRITE_GRAD=write_grad, **flags))
-        return loss, lse, coef, grad
-    part = torch.empty(n, cfg.num_splits, 4, **f32)
-    launch(k.ce_partial_kernel, (n, cfg.num_splits), [x, y], [vocab, x.stride(0), cap], [part],
-           cfg.num_warps,
-           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
-    launch(k.ce_merge_kernel, (n,), [part, y, row_scale],
-           [vocab, ignore_index, smoothing, z_loss], [loss, lse, coef], 1,
-           dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
-                HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
-    if write_grad:
-        grad = _bwd(x, y, lse, coef, softcap)
-    return loss, lse, coef, grad
+    plan = k.ce_fwd_plan(n, vocab, ignore_index=ignore_index, smoothing=smoothing,
+                         z_loss=z_loss, softcap=softcap, num_sms=_launch.num_sms(x),
+                         write_grad=write_grad)
+    outs = run_plan(plan, x=x, y=y, row_scale=row_scale)
+    return outs if write_grad else outs + (None,)
 
 
 def _bwd(x, y, lse, coef, softcap):
     n, vocab = x.shape
-    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad=True)
-    grad = torch.empty_like(x)
-    launch(k.ce_bwd_kernel, (n, cfg.num_splits), [x, y, lse, coef],
-           [vocab, x.stride(0), float(softcap or 1.0)], [grad], cfg.num_warps,
-           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                HAS_SOFTCAP=softcap is not None))
-    return grad
+    plan = k.ce_bwd_plan(n, vocab, softcap=softcap, num_sms=_launch.num_sms(x))
+    return run_plan(plan, x=x, y=y, lse=lse, coef=coef)[0]
 
 
 def scale_rows_(grad: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
     """grad[i] *= cot[i] in place through scale_rows_kernel (rows with cot == 1 untouched)."""
     n, vocab = grad.shape
-    launch(k.scale_rows_kernel, (n,), [grad, cot.float().contiguous()], [vocab], [grad], 8,
-           scale_rows_constexprs(vocab, grad.element_size()))
-    return grad
+    return run_plan(k.scale_rows_plan(n, vocab, grad.element_size()), grad=grad,
+                    cot=cot.float().contiguous())[0]
 
 
 def scaled_saved_grad(grad: torch.Tensor, g: torch.Tensor, per_row: bool) -> torch.Tensor:

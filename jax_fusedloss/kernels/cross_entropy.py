@@ -13,6 +13,8 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
+from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 from jax_fusedloss.kernels._online import (hint_multiple, load_tile, load_tile_hint, poison_inf,
                                            safe_max, stats_to_lse, tile_update)
 
@@ -246,3 +248,70 @@ def scale_rows_kernel(
             g = tl.load(grad_in_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(grad_out_ptr + row * V + cols,
                      (g * cot).to(grad_out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- launch plans
+def _flags(softcap, smoothing) -> dict:
+    return dict(HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smoothing > 0)
+
+
+def ce_bwd_launch(n: int, vocab: int, softcap, num_sms: int) -> Launch:
+    """x, y, lse, coef -> grad: the gradient from per-row lse and coefficients (a, b, c)."""
+    cfg = row_config(n, vocab, num_sms, write_grad=True)
+    return Launch(ce_bwd_kernel, (n, cfg.num_splits), ("x", "y", "lse", "coef"),
+                  (vocab, vocab, float(softcap or 1.0)), (Buf("grad", (n, vocab), LOGITS),),
+                  cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                                      HAS_SOFTCAP=softcap is not None))
+
+
+def ce_partials_launch(n: int, vocab: int, softcap, smoothing: float, num_sms: int,
+                       splits_from_grad: bool = False) -> Launch:
+    """x, y -> part [N, S, 4] = (max, sum exp, sum z, z[y] or 0) per vocabulary slice; y may
+    lie outside [0, V) (a label in another device's slice)."""
+    cfg = row_config(n, vocab, num_sms, write_grad=splits_from_grad)
+    return Launch(ce_partial_kernel, (n, cfg.num_splits), ("x", "y"),
+                  (vocab, vocab, float(softcap or 1.0)),
+                  (Buf("part", (n, cfg.num_splits, 4), "float32"),), cfg.num_warps,
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                       **_flags(softcap, smoothing)))
+
+
+def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_loss: float,
+                softcap, num_sms: int, write_grad: bool) -> Plan:
+    """x, y, row_scale -> loss, lse, coef [N, 3] (and grad, the unit-cotangent gradient scaled
+    by row_scale, with write_grad). Many rows: one program per row, the gradient written in the
+    same program. Few rows: partials per vocabulary slice, a merge, then the gradient pass."""
+    cfg = row_config(n, vocab, num_sms, write_grad)
+    rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
+            Buf("coef", (n, 3), "float32"))
+    results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
+    if cfg.num_splits == 1:
+        grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
+        return Plan((Launch(
+            ce_fwd_kernel, (n,), ("x", "y", "row_scale"),
+            (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0)),
+            rows + (grad,), cfg.num_warps,
+            dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
+                 WRITE_GRAD=write_grad, **_flags(softcap, smoothing))),), results)
+    part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
+    merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
+                   (vocab, ignore_index, smoothing, z_loss), rows, 1,
+                   dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
+                        HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
+    grad = (ce_bwd_launch(n, vocab, softcap, num_sms),) if write_grad else ()
+    return Plan((part, merge) + grad, results)
+
+
+def ce_bwd_plan(n: int, vocab: int, *, softcap, num_sms: int) -> Plan:
+    return Plan((ce_bwd_launch(n, vocab, softcap, num_sms),), ("grad",))
+
+
+def ce_partials_plan(n: int, vocab: int, *, softcap, smoothing: float, num_sms: int) -> Plan:
+    return Plan((ce_partials_launch(n, vocab, softcap, smoothing, num_sms),), ("part",))
+
+
+def scale_rows_plan(n: int, vocab: int, itemsize: int) -> Plan:
+    """grad, cot -> grad * cot[:, None], in place (rows with cot == 1 are not touched)."""
+    return Plan((Launch(scale_rows_kernel, (n,), ("grad", "cot"), (vocab,),
+                        (Buf("scaled", (n, vocab), LOGITS),), 8,
+                        scale_rows_constexprs(vocab, itemsize), aliases=((0, 0),)),), ("scaled",))
