@@ -9,6 +9,19 @@ if not HAS_GPU:
 
 import pytest  # noqa: E402
 
+try:  # hypothesis profiles for tests/test_properties.py: JFL_HYPOTHESIS_PROFILE=ci (default) | gpu
+    from hypothesis import HealthCheck, Phase, settings
+
+    _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+    settings.register_profile("ci", max_examples=4, deadline=None, derandomize=True,
+                              suppress_health_check=_SLOW_OK,
+                              phases=[Phase.explicit, Phase.generate])  # no slow shrinking
+    settings.register_profile("gpu", max_examples=150, deadline=None, derandomize=True,
+                              suppress_health_check=_SLOW_OK)
+    settings.load_profile(os.environ.get("JFL_HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # hypothesis is in [dev]; without it test_properties.py is skipped
+    pass
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
