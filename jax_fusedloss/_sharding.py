@@ -254,3 +254,105 @@ def run(row_fns: Callable[[str], dict[str, RowFns]], opts, role: str, *arrays):
         fallback = row_fns("xla")[role]
     return call_rows(row_fns(opts.implementation)[role], fallback, *arrays,
                      vocab_axis=opts.vocab_axis)
+
+
+# ----------------------------------------------------------------------------- named dimensions
+# Ops whose operands are not all logits-shaped (the fused linear loss: hidden `[N, D]`, weight
+# `[D, V]`, bias `[V]`) name each operand's and result's dimensions by letters: "n" the tokens,
+# "v" the vocabulary, any other letter a dimension that stays whole ("d", "c"). The same rule as
+# above applies: "n" is split like the first operand that has it, "v" like the first that has
+# it, and a result without "n" (a weight gradient) is summed across the token axes by the op.
+def dims_layout(mesh, dims: Sequence[str], shapes, specs) -> tuple[tuple, tuple]:
+    """(row axes, vocab axes) for operands with named `dims`, their `shapes` and partition
+    `specs`: an axis split that does not divide its dimension, or vocabulary axes that are
+    also row axes, are dropped (gathered)."""
+
+    def axes_of(letter):
+        for d, shape, spec in zip(dims, shapes, specs):
+            if letter in d:
+                spec = tuple(spec) + (None,) * (len(d) - len(tuple(spec)))
+                i = d.index(letter)
+                ax = _axes(spec[i])
+                return ax if ax and not shape[i] % _shards(mesh, ax) else ()
+        return ()
+
+    rows, vocab = axes_of("n"), axes_of("v")
+    return rows, (() if set(rows) & set(vocab) else vocab)
+
+
+def dims_spec(d: str, rows, vocab) -> P:
+    return P(*(_entry(rows) if c == "n" else _entry(vocab) if c == "v" else None for c in d))
+
+
+def partitioned_dims(body: Callable, in_dims: tuple[str, ...],
+                     out_dims: tuple[str, ...]) -> Callable:
+    """custom_partitioning of an op over operands and results with named dims (see above).
+
+    `body(mesh, row_axes, vocab_axes)` returns the function each device runs on its shards
+    (`mesh` None and both axes empty: the whole arrays); it owns the collectives: summing its
+    results without "n" over `row_axes` and merging vocabulary partials over `vocab_axes`."""
+
+    @custom_partitioning
+    def call(*args):
+        return tuple(body(None, (), ())(*args))
+
+    def layout(mesh, arg_shapes):
+        return dims_layout(mesh, in_dims, [a.shape for a in arg_shapes],
+                           [a.sharding.spec for a in arg_shapes])
+
+    def shardings(mesh, dims, rows, vocab):
+        return tuple(NamedSharding(mesh, dims_spec(d, rows, vocab)) for d in dims)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, out_dims, *layout(mesh, arg_shapes))
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows, vocab = layout(mesh, arg_shapes)
+        return (mesh, body(mesh, rows, vocab), shardings(mesh, out_dims, rows, vocab),
+                shardings(mesh, in_dims, rows, vocab))
+
+    rule = ", ".join(" ".join(d) for d in in_dims) + " -> " + ", ".join(
+        " ".join(d) for d in out_dims)
+    call.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                       sharding_rule=rule)
+    return _map_batched(call)
+
+
+def _map_batched(fn: Callable) -> Callable:
+    """`fn` under vmap as a sequential map over the batch (custom_partitioning has no batching
+    rule; results without "n" cannot be folded into rows)."""
+    wrapped = jax.custom_batching.custom_vmap(fn)
+
+    @wrapped.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def one(batched):
+            it = iter(batched)
+            return wrapped(*(next(it) if b else a for a, b in zip(args, in_batched)))
+
+        outs = jax.lax.map(one, tuple(a for a, b in zip(args, in_batched) if b))
+        return outs, tuple(True for _ in outs)
+
+    return wrapped
+
+
+def call_dims(body: Callable, in_dims: tuple[str, ...], out_dims: tuple[str, ...], *args):
+    """Runs `partitioned_dims(body, in_dims, out_dims)` on `args`; with Explicit mesh axes in
+    Auto mode, its results getting the shardings the rule gives."""
+    fn = partitioned_dims(body, tuple(in_dims), tuple(out_dims))
+    explicit = [a for a in args if _explicit_axes(a)]
+    if not explicit:
+        return fn(*args)
+    mesh = jax.typeof(explicit[0]).sharding.mesh
+    rows, vocab = dims_layout(mesh, in_dims, [a.shape for a in args],
+                              [jax.typeof(a).sharding.spec for a in args])
+    return jax.sharding.auto_axes(fn, out_sharding=tuple(dims_spec(d, rows, vocab)
+                                                         for d in out_dims))(*args)
+
+
+def sum_to_varying(out, like):
+    """Inside shard_map: `out` summed over the manual axes it varies over and `like` does not
+    (a replicated weight's gradient from sharded tokens), then cast to vary like `like`."""
+    extra = tuple(sorted(varying_axes(out) - varying_axes(like)))
+    if extra:
+        out = jax.lax.psum(out, extra)
+    return match_varying(out, like)

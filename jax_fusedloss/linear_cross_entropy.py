@@ -11,6 +11,17 @@ chunks (three matmuls per chunk in all); the backward only scales them by the sc
 of a "mean" or "sum" loss. A per-token cotangent ("none") or a differentiable lse
 (`return_lse`) cannot be folded into dW afterwards, so there the forward keeps only O(N)
 statistics and the backward recomputes each chunk's logits (four matmuls per chunk).
+
+Across devices (`_sharding.call_dims`, one custom_partitioning rule over named dimensions
+"n d, d v, v, n, n -> ..."): with the tokens of `hidden` sharded each device runs the chunk
+loop on its own tokens and dW/db are summed across the token axes (one weight-sized
+all-reduce, as data parallelism needs anyway); with the weight sharded over the vocabulary each
+chunk runs the cross-entropy's vocabulary-parallel row functions (O(C) all-reduces of softmax
+statistics per chunk), dW/db stay local to their slice and dH is summed across the vocabulary
+axes (one `[N, D]` all-reduce). Inside shard_map the same loop runs on the local shards, with
+`vocab_axis` naming the vocabulary axes; the backward sums each gradient over the manual axes
+its input does not vary over. "mean" divides by the count of the whole batch under jit (of the
+local shard inside shard_map, as `cross_entropy`).
 """
 from __future__ import annotations
 
@@ -20,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common
+from jax_fusedloss import _common, _sharding, _triton_jax
 from jax_fusedloss.cross_entropy import CEOptions, _denominator, _row_cotangent, _row_fns
 
 LAYOUTS = ("dv", "vd")
@@ -101,8 +112,8 @@ def _put(buf, start, val):
     return jax.lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), start, axis=0)
 
 
-def _chunk_fns(opts: LCEOptions):
-    return _row_fns(opts.ce._replace(implementation=opts.implementation), opts.implementation)
+def _chunk_fns(opts: LCEOptions, impl: str):
+    return _row_fns(opts.ce._replace(implementation=impl), impl)
 
 
 def _setup(h, y, opts: LCEOptions):
@@ -110,68 +121,103 @@ def _setup(h, y, opts: LCEOptions):
     return denom, jnp.broadcast_to(1.0 / denom, y.shape).astype(jnp.float32)
 
 
-def _accumulators(h, w, b, opts: LCEOptions, with_grads: bool):
-    n = h.shape[0]
-    f32 = jnp.float32
-    rows = (jnp.zeros((), f32) if opts.ce.reduction != "none" else jnp.zeros((n,), f32),
-            jnp.zeros((n,), f32), jnp.zeros((n, 3), f32))
-    if not with_grads:
-        return rows
-    db = None if b is None else jnp.zeros(b.shape, f32)
-    dw_dtype = f32 if opts.accumulation == "float32" else w.dtype
-    return rows + (jnp.zeros(h.shape, h.dtype), jnp.zeros(w.shape, dw_dtype), db)
+def _zeros(shape, dtype, vma):
+    return _sharding._pcast_to(jnp.zeros(shape, dtype), frozenset(vma))
 
 
-def _store_loss(acc, start, loss, opts: LCEOptions):
-    return acc + jnp.sum(loss) if opts.ce.reduction != "none" else _put(acc, start, loss)
+# ----------------------------------------------------------------------------- the chunk loop
+def _loop(role: str, ce, opts: LCEOptions, h, w, b, y, *rows, vocab_axes=()):
+    """One pass over the token chunks of (this device's) hidden states.
 
-
-# ----------------------------------------------------------------------------- loops
-def _forward(h, w, b, y, opts: LCEOptions, with_grads: bool):
-    """One pass over the chunks: (loss, lse, coef) and, with_grads, the unit-cotangent
-    (dH, dW float32, db float32)."""
-    fns = _chunk_fns(opts)
-    denom, row_scale = _setup(h, y, opts)
-
-    def body(start, size, carry):
-        hc, yc, rc = _rows(h, start, size), _rows(y, start, size), _rows(row_scale, start, size)
-        z = _logits(hc, w, b, opts.layout)
-        if not with_grads:
-            loss, lse, coef = fns["fwd"].local(z, yc, rc)
-            acc, lse_all, coef_all = carry
-            return (_store_loss(acc, start, loss, opts), _put(lse_all, start, lse),
-                    _put(coef_all, start, coef))
-        loss, lse, coef, g = fns["fwd_grad"].local(z, yc, rc)
-        acc, lse_all, coef_all, dh, dw, db = carry
-        dh_c, dw_c = _grads(hc, w, g, opts.layout, dw.dtype)
-        if db is not None:
-            db = db + jnp.sum(g.astype(jnp.float32), axis=0)
-        return (_store_loss(acc, start, loss, opts), _put(lse_all, start, lse),
-                _put(coef_all, start, coef), _put(dh, start, dh_c), dw + dw_c, db)
-
-    out = _chunks(h.shape[0], opts.chunk, body, _accumulators(h, w, b, opts, with_grads))
-    loss = out[0] / denom if opts.ce.reduction != "none" else out[0]
-    return (loss,) + tuple(out[1:])
-
-
-def _backward(h, w, b, y, lse, coef, opts: LCEOptions):
-    """Recomputes each chunk's logits and writes (dH, dW float32, db float32) for the given
-    per-row coefficients (cotangents already folded into coef)."""
-    fns = _chunk_fns(opts)
+    role "fwd" (rows: row_scale): per-row (loss, lse, coef); "fwd_grad": the same and the
+    unit-cotangent (dH, dW, db); "bwd" (rows: lse, coef, cotangents folded in): (dH, dW, db).
+    `ce(role, z, y, *rows)` is the cross-entropy row function for one chunk's logits `z` (its
+    vocabulary-parallel form when the weight is a vocabulary slice). dW/db are partial sums of
+    this device's tokens, dH of its vocabulary slice: the callers sum them across devices."""
+    n, f32 = h.shape[0], jnp.float32
+    vma = frozenset().union(*(_sharding.varying_axes(a) for a in (h, w, b, y) + rows
+                              if a is not None))
+    row_vma = vma - frozenset(vocab_axes)
+    stats, grads = role != "bwd", role != "fwd"
+    init = ()
+    if stats:
+        init += (_zeros((n,), f32, row_vma), _zeros((n,), f32, row_vma),
+                 _zeros((n, 3), f32, row_vma))
+    if grads:
+        dw_dtype = f32 if opts.accumulation == "float32" else w.dtype
+        init += (_zeros(h.shape, h.dtype, vma), _zeros(w.shape, dw_dtype, vma),
+                 None if b is None else _zeros(b.shape, f32, vma))
 
     def body(start, size, carry):
-        dh, dw, db = carry
         hc = _rows(h, start, size)
         z = _logits(hc, w, b, opts.layout)
-        (g,) = fns["bwd"].local(z, _rows(y, start, size), _rows(lse, start, size),
-                                _rows(coef, start, size))
-        dh_c, dw_c = _grads(hc, w, g, opts.layout, dw.dtype)
-        if db is not None:
-            db = db + jnp.sum(g.astype(jnp.float32), axis=0)
-        return _put(dh, start, dh_c), dw + dw_c, db
+        outs = ce(role, z, _rows(y, start, size), *(_rows(r, start, size) for r in rows))
+        new = ()
+        if stats:
+            new += tuple(_put(buf, start, o) for buf, o in zip(carry[:3], outs[:3]))
+        if grads:
+            dh, dw, db = carry[-3:]
+            g = outs[-1]
+            dh_c, dw_c = _grads(hc, w, g, opts.layout, dw.dtype)
+            if db is not None:
+                db = db + jnp.sum(g.astype(f32), axis=0)
+            new += (_put(dh, start, dh_c), dw + dw_c, db)
+        return new
 
-    init = _accumulators(h, w, b, opts, with_grads=True)[3:]
-    return _chunks(h.shape[0], opts.chunk, body, init)
+    return _chunks(n, min(opts.chunk, n), body, init)
+
+
+def _partition_body(role: str, opts: LCEOptions, has_bias: bool, mesh, rows, vocab):
+    """What each device runs under the partitioner: the chunk loop on its tokens (and weight
+    slice), then dW/db summed over the token axes and dH over the vocabulary axes."""
+    impl = opts.implementation
+    if impl == "triton" and mesh is not None and mesh.size > 1 and not _triton_jax.on_cuda_gpu():
+        impl = "xla"  # the interpreter's host callbacks cannot run in a partitioned program
+    fns = _chunk_fns(opts, impl)
+
+    def ce(role, z, *r):
+        return fns[role].vocab_parallel(z, *r, axes=vocab) if vocab else fns[role].local(z, *r)
+
+    def local(h, w, *rest):
+        b, rest = (rest[0], rest[1:]) if has_bias else (None, rest)
+        outs = _loop(role, ce, opts, h, w, b, *rest, vocab_axes=vocab)
+        if role == "fwd":
+            return outs
+        dh, dw, db = outs[-3:]
+        if vocab:
+            dh = jax.lax.psum(dh.astype(jnp.float32), vocab).astype(dh.dtype)
+        if rows:
+            dw = jax.lax.psum(dw, rows)
+            db = None if db is None else jax.lax.psum(db, rows)
+        return outs[:-3] + (dh, dw) + (() if db is None else (db,))
+
+    return local
+
+
+def _run(role: str, opts: LCEOptions, h, w, b, y, *rows):
+    """The chunk loop of `role` (see `_loop`) partitioned across devices: inside shard_map on
+    the local shards (vocabulary-parallel over `vocab_axis`; gradients summed across devices by
+    the backward), elsewhere through `_sharding.call_dims`."""
+    vocab_axes = _sharding._axes(opts.ce.vocab_axis)
+    args = (h, w) + (() if b is None else (b,)) + (y,) + rows
+    if vocab_axes or _sharding.varying_axes(h) or _sharding.varying_axes(w):
+        outs = _partition_body(role, opts, b is not None, None, (), vocab_axes)(*args)
+    else:
+        outs = _call_partitioned(role, opts, args, b is not None, len(rows))
+    return tuple(outs) + ((None,) if role != "fwd" and b is None else ())
+
+
+def _call_partitioned(role: str, opts: LCEOptions, args, has_bias: bool, n_rows: int):
+    wd = "dv" if opts.layout == "dv" else "vd"
+    bias = ("v",) if has_bias else ()
+    in_dims = ("nd", wd) + bias + ("n",) * (1 + n_rows)
+    if role == "bwd":
+        in_dims = in_dims[:-1] + ("nc",)
+    out_dims = ("n", "n", "nc") if role != "bwd" else ()
+    if role != "fwd":
+        out_dims += ("nd", wd) + bias
+    body = functools.partial(_partition_body, role, opts, has_bias)
+    return _sharding.call_dims(body, in_dims, out_dims, *args)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -181,38 +227,53 @@ def _recompute(opts: LCEOptions) -> bool:
     return opts.ce.reduction == "none" or opts.ce.return_lse
 
 
+def _reduce(loss, denom, opts: LCEOptions):
+    return loss if opts.ce.reduction == "none" else jnp.sum(loss) / denom
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _lce(h, w, b, y, opts: LCEOptions):
-    loss, lse, _ = _forward(h, w, b, y, opts, with_grads=False)
-    return loss, lse
+    denom, row_scale = _setup(h, y, opts)
+    loss, lse, _ = _run("fwd", opts, h, w, b, y, row_scale)
+    return _reduce(loss, denom, opts), lse
 
 
 def _lce_fwd(h, w, b, y, opts: LCEOptions):
+    denom, row_scale = _setup(h, y, opts)
     if _recompute(opts):
-        loss, lse, coef = _forward(h, w, b, y, opts, with_grads=False)
-        return (loss, lse), (h, w, b, y, lse, coef)
-    loss, lse, _, dh, dw, db = _forward(h, w, b, y, opts, with_grads=True)
+        loss, lse, coef = _run("fwd", opts, h, w, b, y, row_scale)
+        return (_reduce(loss, denom, opts), lse), (h, w, b, y, lse, coef)
+    loss, lse, _, dh, dw, db = _run("fwd_grad", opts, h, w, b, y, row_scale)
     dw = dw.astype(w.dtype)
     db = None if db is None else db.astype(b.dtype)
-    return (loss, lse), (dh, dw, db)
+    return (_reduce(loss, denom, opts), lse), (dh, dw, db, h, w, b)
 
 
 def _scale(g, cot):
     return None if g is None else (g.astype(jnp.float32) * cot).astype(g.dtype)
 
 
+def _finish(grads, h, w, b):
+    """Gradients in their inputs' dtypes; inside shard_map summed over the devices whose
+    partial sums they are (`_sharding.sum_to_varying`; a no-op elsewhere)."""
+    dh, dw, db = grads
+    out = [_sharding.sum_to_varying(dh.astype(h.dtype), h),
+           _sharding.sum_to_varying(dw.astype(w.dtype), w)]
+    out.append(None if b is None else _sharding.sum_to_varying(db.astype(b.dtype), b))
+    return tuple(out) + (None,)
+
+
 def _lce_bwd(opts: LCEOptions, res, cts):
     g_loss, g_lse = cts
     if not _recompute(opts):
-        dh, dw, db = res
+        dh, dw, db, h, w, b = res
         cot = g_loss.astype(jnp.float32)
-        return _scale(dh, cot), _scale(dw, cot), _scale(db, cot), None
+        return _finish((_scale(dh, cot), _scale(dw, cot), _scale(db, cot)), h, w, b)
     h, w, b, y, lse, coef = res
     cot = _row_cotangent(g_loss, h.shape[0], opts.ce)
     coef = coef * cot[:, None]
     coef = coef.at[:, 0].add(g_lse.astype(jnp.float32))
-    dh, dw, db = _backward(h, w, b, y, lse, coef, opts)
-    return dh, dw.astype(w.dtype), None if db is None else db.astype(b.dtype), None
+    return _finish(_run("bwd", opts, h, w, b, y, lse, coef), h, w, b)
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
@@ -261,6 +322,7 @@ def linear_cross_entropy(
     implementation: str | None = None,
     chunk_size: int | None = None,
     accumulation: str = "float32",
+    vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Cross-entropy of the logits `hidden @ weight (+ bias)` without keeping `[N, V]` logits.
 
@@ -291,6 +353,15 @@ def linear_cross_entropy(
         chunk's product computed in float32 and rounded into the sum, as Liger does), which
         saves `D * V * (4 - itemsize)` bytes of peak memory for bf16/fp16 weights at the cost
         of one rounding per chunk. db always accumulates in float32. Same for float32.
+      vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
+        vocabulary of `weight` (and `bias`) is split, device i of those axes holding rows
+        (for "vd"; columns for "dv") `[i * V_local, (i + 1) * V_local)`; `labels` are global
+        ids. Each chunk's softmax statistics are merged with O(C) all-reduces, dH is summed
+        over those axes and each device gets dW/db of its slice. Tokens sharded across other
+        manual axes need nothing: the gradient of a weight that does not vary across them is
+        summed across them. Under `jax.jit` with sharded inputs nothing is needed: tokens-
+        sharded `hidden` and vocabulary-sharded `weight` partition themselves (see the
+        README's "Fused linear cross-entropy" section).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -315,6 +386,7 @@ def linear_cross_entropy(
         logit_softcap = _common.check_static_float(logit_softcap, "logit_softcap", lo=0.0,
                                                    lo_open=True)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
+    vocab_axis = _common.check_axis_name(vocab_axis)
     _common.check_choice(accumulation, "accumulation", ACCUMULATIONS)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
@@ -328,8 +400,10 @@ def linear_cross_entropy(
         loss = jnp.zeros(lead, jnp.float32) + zero if reduction == "none" else zero
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
     ce_opts = CEOptions(ignore_index, reduction, smoothing, zl, logit_softcap,
-                            bool(return_lse), "")
+                        bool(return_lse), "", vocab_axis)
     opts = LCEOptions(ce_opts, weight_layout, chunk, accumulation, "")
+    if vocab_axis is not None:
+        vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
     loss, lse = _common.dispatch_op(_lce, implementation, h, weight, bias, y, opts=opts)
     if reduction == "none":

@@ -220,6 +220,25 @@ def test_no_grad_forward_and_chunk_independence():
         assert_close(out, outs[0], rtol=1e-5, what=f"chunk_size={c}")
 
 
+def test_vmap_and_scan():
+    """vmap (a batch of token sets, one shared weight; the partitioned call maps over the
+    batch) and lax.scan, under grad, equal the per-element results."""
+    hb, w, b, yb = make_inputs(1, (3, 10), "vd", True)
+
+    def f(h, w, b, y):
+        return jax_fusedloss.linear_cross_entropy(h, w, y, bias=b, weight_layout="vd",
+                                                  chunk_size=4, implementation="xla")
+
+    g = jax.grad(f, (0, 1, 2))
+    got = jax.jit(jax.vmap(g, (0, None, None, 0)))(hb, w, b, yb)
+    _, scanned = jax.lax.scan(lambda c, hy: (c, g(hy[0], w, b, hy[1])), 0.0, (hb, yb))
+    for i in range(3):
+        want = g(hb[i], w, b, yb[i])
+        for a, s, r, name in zip(got, scanned, want, ("dh", "dw", "db")):
+            assert_close(a[i], r, rtol=1e-5, atol=1e-6, what=f"vmap {name}[{i}]")
+            assert_close(s[i], r, rtol=1e-5, atol=1e-6, what=f"scan {name}[{i}]")
+
+
 def test_default_chunk_size():
     assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16) == 1024
     assert default_chunk_size(8192, 128256, 4096, jnp.float32) == 512
