@@ -171,9 +171,11 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
                       out_shapes, constexprs, aliases)
 
 
-def run_plan(plan, **arrays: jax.Array) -> tuple[jax.Array, ...]:
+def run_plan(plan, results: Sequence[str] | None = None,
+             **arrays: jax.Array) -> tuple[jax.Array, ...]:
     """Executes a launch plan (jax_fusedloss/kernels/plan.py) over named arrays; returns the
-    plan's results. Buffers of dtype "logits" take the dtype of the first array."""
+    plan's results (or the named `results`). Buffers of dtype "logits" take the dtype of the
+    first array."""
     env = dict(arrays)
     dtypes = {"float32": jnp.float32, "int32": jnp.int32,
               "logits": next(iter(arrays.values())).dtype}
@@ -186,16 +188,17 @@ def run_plan(plan, **arrays: jax.Array) -> tuple[jax.Array, ...]:
                       num_warps=step.num_warps, constexprs=step.constexprs,
                       input_output_aliases=dict(step.aliases))
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
-    return tuple(env[name] for name in plan.results)
+    return tuple(env[name] for name in (plan.results if results is None else results))
 
 
-def run_rows(make_plan: Callable[[int, int], Any], names: Sequence[str],
-             *arrays: jax.Array) -> tuple[jax.Array, ...]:
+def run_rows(make_plan: Callable[[int, int], Any], names: Sequence[str], *arrays: jax.Array,
+             results: Sequence[str] | None = None) -> tuple[jax.Array, ...]:
     """run_plan(make_plan(n, vocab)) over arrays (bound to `names`) that all lead with the row
-    axis, the first being `[n, vocab]`; vmappable (see rowwise)."""
+    axis, the first being `[n, vocab]`; vmappable (see rowwise), so the `results` asked for
+    must lead with the row axis too (no placeholders)."""
     def body(*arrays):
         n, vocab = arrays[0].shape
-        return run_plan(make_plan(n, vocab), **dict(zip(names, arrays)))
+        return run_plan(make_plan(n, vocab), results, **dict(zip(names, arrays)))
 
     return rowwise(body)(*arrays)
 

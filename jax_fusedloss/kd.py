@@ -31,49 +31,17 @@ class KDOptions(NamedTuple):
 
 # ----------------------------------------------------------------------------- Triton launches
 def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
-    """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient."""
-    from jax_fusedloss.kernels import kd as k
-    from jax_fusedloss.kernels.launch import merge_block, row_config
+    """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient: kd_fwd_plan."""
+    from jax_fusedloss.kernels import kd
 
-    f32 = jnp.float32
-    inv_temp = 1.0 / opts.temperature
+    def plan(n, vocab):
+        return kd.kd_fwd_plan(n, vocab, ids.shape[-1], temperature=opts.temperature,
+                              normalize=opts.normalize, distill=opts.distill,
+                              ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
+                              write_grad=write_grad)
 
-    def body(x, ids, lp, y, row_scale):
-        n, vocab = x.shape
-        n_k = ids.shape[1]
-        cfg = row_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
-        flags = k.kd_constexprs(opts.normalize, opts.distill, opts.temperature, n_k)
-        scalars = [vocab, n_k, vocab, inv_temp, opts.ignore_index]
-        fused = cfg.num_splits == 1
-        part, splits = row_scale, 1  # part is not read unless it holds split partials
-        if not fused and k.needs_vocab_pass(flags):
-            splits = cfg.num_splits
-            (part,) = _triton_jax.launch(
-                k.kd_partial_kernel, grid=(n, splits), inputs=[x], scalars=[vocab, vocab, inv_temp],
-                out_shapes=[jax.ShapeDtypeStruct((n, splits, 4), f32)], num_warps=cfg.num_warps,
-                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"]))
-        write_here = write_grad and fused
-        loss, stats, grad = _triton_jax.launch(
-            k.kd_fwd_kernel, grid=(n,), inputs=[x, ids, lp, y, row_scale, part], scalars=scalars,
-            out_shapes=[jax.ShapeDtypeStruct((n,), f32), jax.ShapeDtypeStruct((n, 5), f32),
-                        jax.ShapeDtypeStruct((n, vocab) if write_here else (1,), x.dtype)],
-            num_warps=cfg.num_warps if fused else 4,
-            constexprs=dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
-                            BLOCK_S=merge_block(splits), FROM_PARTS=splits > 1,
-                            WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
-        if not write_grad:
-            return loss, stats
-        if not fused:
-            (grad,) = _triton_jax.launch(
-                k.kd_bwd_kernel, grid=(n, cfg.num_splits), inputs=[x, ids, lp, y, stats],
-                scalars=scalars, out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
-                num_warps=cfg.num_warps,
-                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                **k.bwd_constexprs(flags)))
-        return loss, stats, grad
-
-    return _triton_jax.rowwise(body)(x, ids, lp, y, row_scale)
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
+                                row_scale)
 
 
 # ----------------------------------------------------------------------------- row functions
@@ -158,24 +126,38 @@ def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
 
 def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
     if opts.implementation == "triton":
-        # One read of the logits for loss and gradient; the backward only rescales rows whose
-        # cotangent is not exactly 1.
-        loss, _, grad = _call(opts, "fwd_grad", x, ids, lp, y, row_scale)
-        return _reduce(loss, opts), (grad, None, None, None, None, None)
+        # One read of the logits for loss and gradient (for a unit cotangent); 16-bit logits
+        # and the row statistics are kept too, for other cotangents (see _kd_bwd).
+        loss, stats, grad = _call(opts, "fwd_grad", x, ids, lp, y, row_scale)
+        if x.dtype == jnp.float32:
+            return _reduce(loss, opts), (grad, None, None, None, None, None)
+        return _reduce(loss, opts), (grad, x, ids, lp, y, stats)
     loss, stats = _call(opts, "fwd", x, ids, lp, y, row_scale)
     return _reduce(loss, opts), (None, x, ids, lp, y, stats)
 
 
 def _kd_bwd(opts: KDOptions, res, g):
+    """As cross_entropy's backward: without a saved gradient, one pass over x with the
+    cotangent folded into the row weights (stats[:, 3:5]) before rounding; a saved float32
+    gradient is rescaled; a saved 16-bit one is returned as is when every row's cotangent is
+    exactly 1 and recomputed from x otherwise (`jax.lax.cond`: one branch runs; the recompute
+    costs one more read of x and write of the gradient, and x stays alive until the
+    backward), so a loss scale does not flush small fp16 entries."""
     grad, x, ids, lp, y, stats = res
     n = (grad if grad is not None else x).shape[0]
     g = g.astype(jnp.float32)
     cot = g if opts.reduction == "none" else jnp.broadcast_to(g, (n,))
-    if grad is not None:
+
+    def recompute():
+        scaled = stats.at[:, 3:5].multiply(cot[:, None])
+        return _call(opts, "bwd", x, ids, lp, y, scaled)[0]
+
+    if grad is None:
+        grad = recompute()
+    elif x is None:
         grad = _call(opts, "scale", grad, cot)[0]
     else:
-        stats = stats.at[:, 3:5].multiply(cot[:, None])
-        grad = _call(opts, "bwd", x, ids, lp, y, stats)[0]
+        grad = jax.lax.cond(jnp.all(cot == 1.0), lambda: grad, recompute)
     return grad, None, None, None, None
 
 
@@ -297,7 +279,9 @@ def kd_loss(
     `num_items` get zero cotangents. No temperature**2 factor is applied.
 
     Under differentiation the Triton forward writes the gradient for a unit cotangent in the
-    same pass: forward + backward read the logits once and write their gradient once.
+    same pass: forward + backward read the logits once and write their gradient once. Other
+    cotangents (a loss scale, weights) rescale float32 gradients and recompute 16-bit ones
+    with the cotangent applied before rounding (one more read of the logits).
 
     Repeated ids: every entry is its own term (the sums above run over entries, not distinct
     ids), so an id listed twice counts twice in KL and, for "topk", twice in L; its gradient

@@ -19,94 +19,44 @@ class RedOptions(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- Triton launches
-def _config(x, write_grad: bool = False):
-    from jax_fusedloss.kernels import reductions as k
+def _plan(name: str, opts: RedOptions, has_label: bool):
+    """A reductions plan function of (n, vocab) for these options."""
+    from jax_fusedloss.kernels import reductions
 
-    n, vocab = x.shape
-    return k, k.reduction_config(n, vocab, x.dtype.itemsize, _triton_jax.num_sms(), write_grad)
+    return functools.partial(getattr(reductions, name), inv_temp=1.0 / opts.temperature,
+                             entropy=opts.entropy, has_label=has_label,
+                             num_sms=_triton_jax.num_sms())
 
 
-def _flags(opts: RedOptions, has_label: bool) -> dict:
-    return dict(HAS_ENTROPY=opts.entropy, HAS_LABEL=has_label)
+def _labels(y):
+    return ((y,), ("y",)) if y is not None else ((), ())
 
 
 def _triton_rows_fwd(x, y, opts: RedOptions):
-    """Per-row (lse, entropy or None, logp or None) through red_fwd_kernel (+ merge kernel)."""
-    from jax_fusedloss.kernels.launch import merge_block
-
-    f32 = jnp.float32
-    has_label = y is not None
-
-    def body(x, *maybe_y):  # no default argument: custom_vmap would pass it on as an operand
-        k, cfg = _config(x)
-        n, vocab = x.shape
-        labels = maybe_y[0] if has_label else jnp.zeros((1,), jnp.int32)
-        row = jax.ShapeDtypeStruct((n,), f32)
-        dummy = jax.ShapeDtypeStruct((1,), f32)
-        outs = [row, row if opts.entropy else dummy, row if has_label else dummy]
-        flags = dict(_flags(opts, has_label), ALIGN=cfg.align)
-        if cfg.num_splits == 1:
-            _, *outs = _triton_jax.launch(
-                k.red_fwd_kernel, grid=(n,), inputs=[x, labels],
-                scalars=[vocab, vocab, 1.0 / opts.temperature], out_shapes=[dummy] + outs,
-                num_warps=cfg.num_warps,
-                constexprs=dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, **flags))
-        else:
-            (part, *_) = _triton_jax.launch(
-                k.red_fwd_kernel, grid=(n, cfg.num_splits), inputs=[x, labels],
-                scalars=[vocab, vocab, 1.0 / opts.temperature],
-                out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), f32)] + [dummy] * 3,
-                num_warps=cfg.num_warps,
-                constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, **flags))
-            outs = _triton_jax.launch(
-                k.red_merge_kernel, grid=(n,), inputs=[part, labels], scalars=[vocab],
-                out_shapes=outs, num_warps=1,
-                constexprs=dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
-                                **_flags(opts, has_label)))
-        return tuple(o for o, want in zip(outs, (True, opts.entropy, has_label)) if want)
-
-    outs = iter(_triton_jax.rowwise(body)(*((x, y) if has_label else (x,))))
-    lse = next(outs)
-    return lse, next(outs) if opts.entropy else None, next(outs) if has_label else None
+    """Per-row (lse, entropy or None, logp or None) through red_fwd_plan."""
+    labels, names = _labels(y)
+    want = ("lse",) + ("ent",) * opts.entropy + ("logp",) * (y is not None)
+    outs = dict(zip(want, _triton_jax.run_rows(_plan("red_fwd_plan", opts, y is not None),
+                                               ("x",) + names, x, *labels, results=want)))
+    return outs["lse"], outs.get("ent"), outs.get("logp")
 
 
 def _triton_rows_bwd(x, y, lse, ent, cot, opts: RedOptions):
-    has_label = y is not None
-
-    def body(x, lse, ent, cot, *maybe_y):
-        k, cfg = _config(x, write_grad=True)
-        n, vocab = x.shape
-        (grad,) = _triton_jax.launch(
-            k.red_bwd_kernel, grid=(n, cfg.num_splits),
-            inputs=[x, maybe_y[0] if has_label else jnp.zeros((1,), jnp.int32), lse, ent, cot],
-            scalars=[vocab, vocab, 1.0 / opts.temperature],
-            out_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype)], num_warps=cfg.num_warps,
-            constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                            **_flags(opts, has_label)))
-        return (grad,)
-
-    ent = lse if ent is None else ent  # read only with HAS_ENTROPY
-    args = (x, lse, ent, cot) + ((y,) if has_label else ())
-    return _triton_jax.rowwise(body)(*args)[0]
+    labels, names = _labels(y)
+    ent = lse if ent is None else ent  # read only with opts.entropy
+    return _triton_jax.run_rows(_plan("red_bwd_plan", opts, y is not None),
+                                ("x", "lse", "ent", "cot") + names, x, lse, ent, cot,
+                                *labels)[0]
 
 
 def _triton_slice_stats(x, y, opts: RedOptions):
-    """Per-row partials (m, s, u, z[y] or 0; None without labels) through red_fwd_kernel's
-    split form; y may lie outside [0, V) (a label in another device's vocabulary slice)."""
-    k, cfg = _config(x)
-    n, vocab = x.shape
-    has_label = y is not None
-    dummy = jax.ShapeDtypeStruct((1,), jnp.float32)
-    (part, *_) = _triton_jax.launch(
-        k.red_fwd_kernel, grid=(n, cfg.num_splits),
-        inputs=[x, y if has_label else jnp.zeros((1,), jnp.int32)],
-        scalars=[vocab, vocab, 1.0 / opts.temperature],
-        out_shapes=[jax.ShapeDtypeStruct((n, cfg.num_splits, 4), jnp.float32)] + [dummy] * 3,
-        num_warps=cfg.num_warps,
-        constexprs=dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
-                        **_flags(opts, has_label)))
+    """Per-row partials (m, s, u, z[y] or 0; None without labels) through red_partials_plan;
+    y may lie outside [0, V) (a label in another device's vocabulary slice)."""
+    labels, names = _labels(y)
+    (part,) = _triton_jax.run_rows(_plan("red_partials_plan", opts, y is not None),
+                                   ("x",) + names, x, *labels)
     m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
-    return m, s, u, part[..., 3].sum(axis=1) if has_label else None
+    return m, s, u, part[..., 3].sum(axis=1) if y is not None else None
 
 
 # ----------------------------------------------------------------------------- row functions

@@ -35,3 +35,30 @@ def test_import_keeps_triton_usable(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+TORCH_WITHOUT_JAX = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    sys.modules["jax"] = None  # any `import jax` now raises ImportError
+    import torch
+    import torch_ref
+    x = torch.randn(4, 37, requires_grad=True)
+    y = torch.tensor([0, 5, -100, 36])
+    loss = torch_ref.cross_entropy(x, y)
+    loss.backward()
+    ref = torch.nn.functional.cross_entropy(x.detach(), y, ignore_index=-100)
+    assert abs(float(loss) - float(ref)) < 1e-5, (float(loss), float(ref))
+    assert not any(m == "jax" or m.startswith("jax.") for m in sys.modules
+                   if sys.modules[m] is not None), "jax was imported"
+    print("ok")
+""")
+
+
+def test_torch_frontend_without_jax():
+    """torch_ref and the kernels need neither JAX nor jax_fusedloss's JAX modules."""
+    env = compiler_env()
+    env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-c", TORCH_WITHOUT_JAX], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]

@@ -131,10 +131,10 @@ def test_unit_scale_and_large_logits(impl, scale, interpreter):
     check(impl, "both", "float32", (4, 1000), seed=5, scale=scale)
 
 
-def small_tiles(n_rows, vocab, itemsize, num_sms, write_grad=False):
+def small_tiles(n_rows, vocab, num_sms, write_grad=False):
     """The launch heuristic with 32-element tiles and 8 splits of 5 tiles (V=1201: the last
     split is 81 wide), so that interpreter-sized rows take the split path in earnest."""
-    cfg = launch_cfg.row_config(n_rows, vocab, itemsize, num_sms, write_grad)
+    cfg = launch_cfg.row_config(n_rows, vocab, num_sms, write_grad)
     split_v = 5 * 32
     return cfg._replace(block_v=32, num_splits=-(-vocab // split_v), split_v=split_v)
 
@@ -142,7 +142,7 @@ def small_tiles(n_rows, vocab, itemsize, num_sms, write_grad=False):
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
 def test_many_splits(impl, monkeypatch, interpreter):
     monkeypatch.setattr(red_kernels, "row_config", small_tiles)
-    assert red_kernels.reduction_config(2, 1201, 4, 64).num_splits == 8
+    assert red_kernels.reduction_config(2, 1201, 64).num_splits == 8
     check(impl, "both", "float32", (2, 1201), 0.7, seed=7)
 
 

@@ -4,44 +4,20 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import kd as k
-from jax_fusedloss.kernels.launch import merge_block, row_config
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
-from torch_ref._launch import launch
+from torch_ref._launch import run_plan
 from torch_ref.cross_entropy import cross_entropy_reference, scaled_saved_grad
 
 
 def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
-    """Per-row loss [N] (and the unit-cotangent gradient) from the kernels of kernels/kd.py."""
+    """Per-row loss [N] (and the unit-cotangent gradient) from kd_fwd_plan."""
     n, vocab = x.shape
-    n_k = ids.shape[1]
-    cfg = row_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad)
-    flags = k.kd_constexprs(normalize, distill, temperature, n_k)
-    inv_temp = 1.0 / temperature
-    scalars = [vocab, n_k, x.stride(0), inv_temp, ignore_index]
-    f32 = dict(dtype=torch.float32, device=x.device)
-    loss, stats = torch.empty(n, **f32), torch.empty(n, 5, **f32)
-    fused = cfg.num_splits == 1
-    part, splits = row_scale, 1  # part is not read unless it holds split partials
-    if not fused and k.needs_vocab_pass(flags):
-        splits = cfg.num_splits
-        part = torch.empty(n, splits, 4, **f32)
-        launch(k.kd_partial_kernel, (n, splits), [x], [vocab, x.stride(0), inv_temp], [part],
-               cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                   CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"]))
-    write_here = write_grad and fused
-    grad = torch.empty_like(x) if write_grad else None
-    launch(k.kd_fwd_kernel, (n,), [x, ids, lp, y, row_scale, part], scalars,
-           [loss, stats, grad if write_here else torch.empty(1, dtype=x.dtype, device=x.device)],
-           cfg.num_warps if fused else 4,
-           dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits,
-                BLOCK_S=merge_block(splits), FROM_PARTS=splits > 1,
-                WRITE_GRAD=write_here, ALIGN=cfg.align, **flags))
-    if write_grad and not fused:
-        launch(k.kd_bwd_kernel, (n, cfg.num_splits), [x, ids, lp, y, stats], scalars, [grad],
-               cfg.num_warps, dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                                   **k.bwd_constexprs(flags)))
-    return loss, grad
+    plan = k.kd_fwd_plan(n, vocab, ids.shape[1], temperature=temperature, normalize=normalize,
+                         distill=distill, ignore_index=ignore_index,
+                         num_sms=_launch.num_sms(x), write_grad=write_grad)
+    outs = run_plan(plan, x=x, ids=ids, lp=lp, y=y, row_scale=row_scale)
+    return outs[0], outs[2] if write_grad else None
 
 
 class _KD(torch.autograd.Function):
@@ -52,15 +28,30 @@ class _KD(torch.autograd.Function):
         loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
                            ignore_index, write_grad)
         ctx.reduction, ctx.shape = reduction, logits.shape
-        ctx.save_for_backward(None if grad is None else grad.view(logits.shape))
+        ctx.options = (temperature, normalize, distill, ignore_index)
+        if grad is not None and x.dtype != torch.float32:  # see backward
+            ctx.save_for_backward(grad.view(logits.shape), x, ids, lp, y, row_scale)
+        else:
+            ctx.save_for_backward(None if grad is None else grad.view(logits.shape))
         return loss if reduction == "none" else loss.sum()
 
     @staticmethod
     def backward(ctx, g):
+        """The forward wrote the gradient for a unit cotangent (the saved tensor is never
+        changed, so a retained graph can run backward again). float32: rescaled. 16-bit:
+        returned as is for a cotangent of exactly 1, else recomputed from the saved logits with
+        the cotangent folded into the row weights before rounding (one more pass over them),
+        so a loss scale does not flush small fp16 entries."""
         no_double_backward("kd_loss / distill_loss")
-        # The forward wrote the gradient for a unit cotangent; the saved tensor is never
-        # changed, so a retained graph can run backward again.
-        return (scaled_saved_grad(ctx.saved_tensors[0], g, ctx.reduction == "none"),) + (None,) * 10
+        saved = ctx.saved_tensors
+        per_row = ctx.reduction == "none"
+        if len(saved) == 1 or bool((g == 1).all()):  # one read (a sync on CUDA)
+            return (scaled_saved_grad(saved[0], g, per_row),) + (None,) * 10
+        _, x, ids, lp, y, row_scale = saved
+        cot = (g.reshape(-1) if per_row else g.reshape(1).expand(x.shape[0])).float()
+        _, grad = _rows(x, ids, lp, y, (row_scale * cot[:, None]).contiguous(), *ctx.options,
+                        True)
+        return (grad.view(ctx.shape),) + (None,) * 10
 
 
 def _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:

@@ -5,55 +5,33 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import reductions as k
-from jax_fusedloss.kernels.launch import merge_block
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
-from torch_ref._launch import launch
+from torch_ref._launch import run_plan
 
 
 def _check_temperature(temperature) -> float:
     return _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
 
 
-def _fwd(x, y, inv_temp, want_entropy):
-    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits."""
+def _plan(name, x, y, inv_temp, want_entropy):
     n, vocab = x.shape
-    cfg = k.reduction_config(n, vocab, x.element_size(), _launch.num_sms(x))
-    f32 = dict(dtype=torch.float32, device=x.device)
-    has_label = y is not None
-    labels = y if has_label else torch.zeros(1, dtype=torch.int32, device=x.device)
-    dummy = torch.empty(1, **f32)
-    outs = [torch.empty(n, **f32), torch.empty(n, **f32) if want_entropy else dummy,
-            torch.empty(n, **f32) if has_label else dummy]
-    flags = dict(HAS_ENTROPY=want_entropy, HAS_LABEL=has_label)
-    if cfg.num_splits == 1:
-        launch(k.red_fwd_kernel, (n,), [x, labels], [vocab, x.stride(0), inv_temp],
-               [dummy] + outs, cfg.num_warps,
-               dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True, ALIGN=cfg.align,
-                    **flags))
-    else:
-        part = torch.empty(n, cfg.num_splits, 4, **f32)
-        launch(k.red_fwd_kernel, (n, cfg.num_splits), [x, labels], [vocab, x.stride(0), inv_temp],
-               [part, dummy, dummy, dummy], cfg.num_warps,
-               dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
-                    **flags))
-        launch(k.red_merge_kernel, (n,), [part, labels], [vocab], outs, 1,
-               dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits), **flags))
-    lse, ent, logp = outs
-    return lse, ent if want_entropy else None, logp if has_label else None
+    return getattr(k, name)(n, vocab, inv_temp=inv_temp, entropy=want_entropy,
+                            has_label=y is not None, num_sms=_launch.num_sms(x))
+
+
+def _fwd(x, y, inv_temp, want_entropy):
+    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits: red_fwd_plan."""
+    labels = {} if y is None else dict(y=y)
+    lse, ent, logp = run_plan(_plan("red_fwd_plan", x, y, inv_temp, want_entropy), x=x,
+                              **labels)
+    return lse, ent if want_entropy else None, logp if y is not None else None
 
 
 def _bwd(x, y, lse, ent, cot, inv_temp, want_entropy):
-    n, vocab = x.shape
-    cfg = k.reduction_config(n, vocab, x.element_size(), _launch.num_sms(x), write_grad=True)
-    labels = y if y is not None else torch.zeros(1, dtype=torch.int32, device=x.device)
-    grad = torch.empty_like(x)
-    launch(k.red_bwd_kernel, (n, cfg.num_splits),
-           [x, labels, lse, ent if ent is not None else lse, cot],
-           [vocab, x.stride(0), inv_temp], [grad], cfg.num_warps,
-           dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                HAS_ENTROPY=want_entropy, HAS_LABEL=y is not None))
-    return grad
+    labels = {} if y is None else dict(y=y)
+    return run_plan(_plan("red_bwd_plan", x, y, inv_temp, want_entropy), x=x, lse=lse,
+                    ent=ent if ent is not None else lse, cot=cot, **labels)[0]
 
 
 class _Reductions(torch.autograd.Function):

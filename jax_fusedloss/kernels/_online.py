@@ -63,12 +63,26 @@ def safe_max(m):
 
 
 @triton.jit
-def merge_stats(m_a, s_a, m_b, s_b):
-    """Merges two (max, sum of exp(z - max)) pairs; the identity is (-inf, 0)."""
-    m = tl.maximum(m_a, m_b)
-    ms = safe_max(m)
-    s = s_a * tl.exp(m_a - ms) + s_b * tl.exp(m_b - ms)
-    return m, s
+def load_partials(part_ptr, row, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Pointers to field 0 of a row's NUM_SPLITS partials (layout float32 [N, NUM_SPLITS, 4],
+    field f at +f) and the mask of real splits; load field f with `load_field`."""
+    idx = tl.arange(0, BLOCK_S)
+    return part_ptr + (row * NUM_SPLITS + idx) * 4, idx < NUM_SPLITS
+
+
+@triton.jit
+def load_field(base, valid, FIELD: tl.constexpr, IS_MAX: tl.constexpr):
+    """Field FIELD of every split; padding lanes get the merge identity (-inf for a max, else
+    0)."""
+    return tl.load(base + FIELD, mask=valid, other=float("-inf") if IS_MAX else 0.0)
+
+
+@triton.jit
+def merge_stats(m_i, s_i):
+    """Merges partials (max m_i, sum s_i of exp(z - m_i)) over a vector of slices into
+    (max, sum); the identity is (-inf, 0) and the result's sum is relative to safe_max(max)."""
+    m = tl.max(m_i, axis=0)
+    return m, tl.sum(s_i * tl.exp(m_i - safe_max(m)), axis=0)
 
 
 @triton.jit

@@ -15,8 +15,9 @@ import triton.language as tl
 
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
-from jax_fusedloss.kernels._online import (hint_multiple, load_tile, load_tile_hint, poison_inf,
-                                           safe_max, stats_to_lse, tile_update)
+from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
+                                           load_tile_hint, merge_stats, poison_inf, stats_to_lse,
+                                           tile_update)
 
 
 @triton.jit
@@ -96,6 +97,24 @@ def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, a, b, c, start, stop, soft
 
 
 @triton.jit
+def _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
+                         smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
+                         HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """Finishes a row from its statistics, stores loss, lse and coef = (a, b, c), returns the
+    coefficients (shared by the row path and the split merge)."""
+    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
+    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                                   HAS_SMOOTHING, HAS_ZLOSS)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+    tl.store(coef_ptr + row * 3, a)
+    tl.store(coef_ptr + row * 3 + 1, b)
+    tl.store(coef_ptr + row * 3 + 2, c)
+    return a, b, c
+
+
+@triton.jit
 def ce_fwd_kernel(
     # pointers
     logits_ptr, labels_ptr, row_scale_ptr,
@@ -121,14 +140,9 @@ def ce_fwd_kernel(
     m, s, sumz, zy = _ce_slice_stats(row_ptr, label, 0, V, 1.0, softcap, BLOCK_V, HAS_SOFTCAP,
                                      HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "")
     lse = stats_to_lse(m, s)
-    scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
-    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+    a, b, c = _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V,
+                                   ignore_index, smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
                                    HAS_SMOOTHING, HAS_ZLOSS)
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
-    tl.store(coef_ptr + row * 3, a)
-    tl.store(coef_ptr + row * 3 + 1, b)
-    tl.store(coef_ptr + row * 3 + 2, c)
     if WRITE_GRAD:
         _ce_grad_slice(row_ptr, grad_ptr + row * V, label, lse, a, b, c, 0, V, softcap,
                        BLOCK_V, HAS_SOFTCAP, "evict_first")
@@ -178,25 +192,13 @@ def ce_merge_kernel(
 ):
     """Split path, grid (N,): merges a row's partials into loss, lse and coefficients."""
     row = tl.program_id(0).to(tl.int64)
-    idx = tl.arange(0, BLOCK_S)
-    valid = idx < NUM_SPLITS
-    base = part_ptr + (row * NUM_SPLITS + idx) * 4
-    m_i = tl.load(base, mask=valid, other=float("-inf"))
-    s_i = tl.load(base + 1, mask=valid, other=0.0)
-    m = tl.max(m_i, axis=0)
-    s = tl.sum(s_i * tl.exp(m_i - safe_max(m)), axis=0)
-    sumz = tl.sum(tl.load(base + 2, mask=valid, other=0.0), axis=0)
-    zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
-    lse = stats_to_lse(m, s)
-    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
-    scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
-    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
-                                   HAS_SMOOTHING, HAS_ZLOSS)
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
-    tl.store(coef_ptr + row * 3, a)
-    tl.store(coef_ptr + row * 3 + 1, b)
-    tl.store(coef_ptr + row * 3 + 2, c)
+    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (max, sum, sum z, z[y])
+    m, s = merge_stats(load_field(base, valid, 0, True), load_field(base, valid, 1, False))
+    sumz = tl.sum(load_field(base, valid, 2, False), axis=0)
+    zy = tl.sum(load_field(base, valid, 3, False), axis=0)
+    _ce_finish_and_store(row, stats_to_lse(m, s), zy, sumz, labels_ptr, row_scale_ptr, V,
+                         ignore_index, smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
+                         HAS_SMOOTHING, HAS_ZLOSS)
 
 
 @triton.jit

@@ -22,9 +22,11 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_tile_hint, poison_inf, safe_max,
-                                           stats_to_lse)
+from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile_hint,
+                                           merge_stats, poison_inf, safe_max, stats_to_lse)
 from jax_fusedloss.kernels.cross_entropy import _label_state
+from jax_fusedloss.kernels.launch import merge_block, row_config
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -86,12 +88,6 @@ def _slice_stats(row_ptr, start, stop, inv_temp, BLOCK_V: tl.constexpr,
                 tl.math.exp2(z * c_kd - m_safe * c_kd), axis=0)
         m = m_new
     return m, lx, m * inv_temp, ls
-
-
-@triton.jit
-def _merge_lse(m_i, s_i):
-    m = tl.max(m_i, axis=0)
-    return stats_to_lse(m, tl.sum(s_i * tl.exp(m_i - safe_max(m)), axis=0))
 
 
 @triton.jit
@@ -210,13 +206,12 @@ def kd_fwd_kernel(
     lse_x = tl.full([], float("-inf"), tl.float32)
     L = tl.full([], float("-inf"), tl.float32)
     if FROM_PARTS:
-        idx = tl.arange(0, BLOCK_S)
-        ok = idx < NUM_SPLITS
-        base = part_ptr + (row * NUM_SPLITS + idx) * 4
-        lse_x = _merge_lse(tl.load(base, mask=ok, other=float("-inf")),
-                           tl.load(base + 1, mask=ok, other=0.0))
-        L = _merge_lse(tl.load(base + 2, mask=ok, other=float("-inf")),
-                       tl.load(base + 3, mask=ok, other=0.0))
+        # partials: (max x, sum exp(x - max), max x/T, sum exp(x/T - max))
+        base, ok = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
+        m, sm = merge_stats(load_field(base, ok, 0, True), load_field(base, ok, 1, False))
+        lse_x = stats_to_lse(m, sm)
+        m, sm = merge_stats(load_field(base, ok, 2, True), load_field(base, ok, 3, False))
+        L = stats_to_lse(m, sm)
     elif DISTILL or KD_STATS:
         mx, lx, ms, ls = _slice_stats(x_row, 0, V, inv_temp, BLOCK_V, DISTILL, KD_STATS,
                                       "evict_last" if WRITE_GRAD else "")
@@ -340,3 +335,45 @@ def bwd_constexprs(flags: dict) -> dict:
 def needs_vocab_pass(flags: dict) -> bool:
     """Whether the forward walks the vocabulary at all ("topk" kd_loss only gathers K values)."""
     return flags["DISTILL"] or flags["KD_STATS"]
+
+
+# ----------------------------------------------------------------------------- launch plans
+def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: str,
+                distill: bool, ignore_index: int, num_sms: int, write_grad: bool) -> Plan:
+    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, 5] (and grad, the unit-cotangent
+    gradient, with write_grad). Many rows: one program per row walks the vocabulary once and
+    writes the gradient; few rows: partials per vocabulary slice (when the options need a
+    vocabulary walk), one program per row merges them, then a split gradient pass."""
+    cfg = row_config(n, vocab, num_sms, write_grad)
+    flags = kd_constexprs(normalize, distill, temperature, k)
+    inv_temp = 1.0 / temperature
+    scalars = (vocab, k, vocab, inv_temp, ignore_index)
+    fused = cfg.num_splits == 1
+    launches = []
+    part, splits = "row_scale", 1  # part is not read unless it holds split partials
+    if not fused and needs_vocab_pass(flags):
+        part, splits = "part", cfg.num_splits
+        launches.append(Launch(
+            kd_partial_kernel, (n, splits), ("x",), (vocab, vocab, inv_temp),
+            (Buf("part", (n, splits, 4), "float32"),), cfg.num_warps,
+            dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                 CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"])))
+    write_here = write_grad and fused
+    grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
+    launches.append(Launch(
+        kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
+        (Buf("loss", (n,), "float32"), Buf("stats", (n, 5), "float32"), grad),
+        cfg.num_warps if fused else 4,
+        dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
+             FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align, **flags)))
+    if write_grad and not fused:
+        launches.append(kd_bwd_launch(n, vocab, k, scalars, flags, cfg))
+    return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
+
+
+def kd_bwd_launch(n, vocab, k, scalars, flags, cfg) -> Launch:
+    """x, ids, lp, y, stats -> grad (the row weights folded into stats)."""
+    return Launch(kd_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats"), scalars,
+                  (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                       **bwd_constexprs(flags)))

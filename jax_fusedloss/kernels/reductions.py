@@ -21,9 +21,10 @@ Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton onl
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_tile, safe_max, stats_to_lse,
-                                           tile_update)
-from jax_fusedloss.kernels.launch import RowConfig, row_config
+from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
+                                           safe_max, stats_to_lse, tile_update)
+from jax_fusedloss.kernels.launch import RowConfig, merge_block, row_config
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
 
 @triton.jit
@@ -140,19 +141,16 @@ def red_merge_kernel(
 ):
     """Split path, grid (N,): merges a row's NUM_SPLITS partials and finishes the row."""
     row = tl.program_id(0).to(tl.int64)
-    idx = tl.arange(0, BLOCK_S)
-    valid = idx < NUM_SPLITS
-    base = part_ptr + (row * NUM_SPLITS + idx) * 4
-    m_i = tl.load(base, mask=valid, other=float("-inf"))
-    s_i = tl.load(base + 1, mask=valid, other=0.0)
-    u_i = tl.load(base + 2, mask=valid, other=0.0)
+    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (m, s, u, z[y])
+    m_i = load_field(base, valid, 0, True)
     m = tl.max(m_i, axis=0)
-    s_i, u_i = _rescale(m_i, s_i, u_i, safe_max(m))
+    s_i, u_i = _rescale(m_i, load_field(base, valid, 1, False), load_field(base, valid, 2, False),
+                        safe_max(m))
     label = -1
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         label = tl.load(labels_ptr + row).to(tl.int32)
-        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0), axis=0)
+        zy = tl.sum(load_field(base, valid, 3, False), axis=0)
     _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
                 logp_ptr, HAS_ENTROPY, HAS_LABEL)
 
@@ -211,8 +209,64 @@ def red_bwd_kernel(
                  mask=mask)
 
 
-def reduction_config(n_rows: int, vocab: int, itemsize: int, num_sms: int,
+def reduction_config(n_rows: int, vocab: int, num_sms: int,
                      write_grad: bool = False) -> RowConfig:
     """Launch configuration: the shared row/split heuristic (row path when num_splits == 1);
     `write_grad` for the backward, which writes a gradient as it reads the logits."""
-    return row_config(n_rows, vocab, itemsize, num_sms, write_grad)
+    return row_config(n_rows, vocab, num_sms, write_grad)
+
+
+# ----------------------------------------------------------------------------- launch plans
+def _label_input(has_label: bool):
+    return "y" if has_label else Zeros((1,), "int32")
+
+
+def _partials_launch(n, vocab, inv_temp, entropy, has_label, cfg) -> Launch:
+    none = [placeholder(f"unused{i}") for i in range(3)]
+    return Launch(red_fwd_kernel, (n, cfg.num_splits), ("x", _label_input(has_label)),
+                  (vocab, vocab, inv_temp),
+                  (Buf("part", (n, cfg.num_splits, 4), "float32"), *none), cfg.num_warps,
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
+                       HAS_ENTROPY=entropy, HAS_LABEL=has_label))
+
+
+def red_fwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
+                 num_sms: int) -> Plan:
+    """x[, y] -> lse, ent, logp (ent and logp are 1-element placeholders unless asked for).
+    Many rows: one program per row; few rows: partials per vocabulary slice, then a merge."""
+    cfg = reduction_config(n, vocab, num_sms)
+    flags = dict(HAS_ENTROPY=entropy, HAS_LABEL=has_label)
+    outs = (Buf("lse", (n,), "float32"),
+            Buf("ent", (n,), "float32") if entropy else placeholder("ent"),
+            Buf("logp", (n,), "float32") if has_label else placeholder("logp"))
+    if cfg.num_splits == 1:
+        return Plan((Launch(red_fwd_kernel, (n,), ("x", _label_input(has_label)),
+                            (vocab, vocab, inv_temp), (placeholder("part"),) + outs,
+                            cfg.num_warps,
+                            dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True,
+                                 ALIGN=cfg.align, **flags)),), ("lse", "ent", "logp"))
+    merge = Launch(red_merge_kernel, (n,), ("part", _label_input(has_label)), (vocab,), outs, 1,
+                   dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
+                        **flags))
+    return Plan((_partials_launch(n, vocab, inv_temp, entropy, has_label, cfg), merge),
+                ("lse", "ent", "logp"))
+
+
+def red_partials_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
+                      num_sms: int) -> Plan:
+    """x[, y] -> part [N, S, 4] = (m, s, u, z[y] or 0) per vocabulary slice; y may lie outside
+    [0, V) (a label in another device's slice)."""
+    cfg = reduction_config(n, vocab, num_sms)
+    return Plan((_partials_launch(n, vocab, inv_temp, entropy, has_label, cfg),), ("part",))
+
+
+def red_bwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
+                 num_sms: int) -> Plan:
+    """x, lse, ent, cot [N, 3][, y] -> grad (ent is read only with entropy)."""
+    cfg = reduction_config(n, vocab, num_sms, write_grad=True)
+    return Plan((Launch(red_bwd_kernel, (n, cfg.num_splits),
+                        ("x", _label_input(has_label), "lse", "ent", "cot"),
+                        (vocab, vocab, inv_temp), (Buf("grad", (n, vocab), LOGITS),),
+                        cfg.num_warps,
+                        dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                             HAS_ENTROPY=entropy, HAS_LABEL=has_label)),), ("grad",))

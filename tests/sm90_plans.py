@@ -1,0 +1,90 @@
+"""The kernels to compile for sm_90, generated from the launch plans the libraries execute.
+
+Each family's plan function runs over a grid of shapes (the row path at N=8192, the split
+path at N=8, an aligned and an unaligned vocabulary), dtypes and option sets; every distinct
+launch becomes one compile: (kernel, signature, constexprs, warps). A signature maps the
+kernel's parameters to types: pointers from the dtypes of the arrays a launch reads or writes,
+Python ints to i32 and floats to fp32, as both executors pass them.
+"""
+from __future__ import annotations
+
+import itertools
+
+from jax_fusedloss.kernels import cross_entropy as ce
+from jax_fusedloss.kernels import kd
+from jax_fusedloss.kernels import reductions as red
+from jax_fusedloss.kernels.plan import LOGITS
+
+SMS = 132  # H100 / H200
+DTYPES = ("bf16", "fp16", "fp32")
+SHAPES = ((8192, 128256), (8, 128256), (8192, 50257), (8, 50257))
+# Every dtype at the aligned vocabulary (ALIGN=16), bf16 at the unaligned one (ALIGN=1).
+CASES = tuple((dt, shape) for dt in DTYPES for shape in SHAPES[:2]) + tuple(
+    ("bf16", shape) for shape in SHAPES[2:])
+TYPES = {"float32": "fp32", "int32": "i32"}
+
+
+def _specs(plan, dt: str, inputs: dict[str, str]):
+    """(kernel, signature, constexprs, warps) of each launch of a plan; `inputs` gives the
+    plan inputs' types ("x" is the logits, of dtype dt)."""
+    env = dict(inputs, x=f"*{dt}")
+    for step in plan.launches:
+        types = [env[i] if isinstance(i, str) else f"*{TYPES[i.dtype]}" for i in step.inputs]
+        types += ["fp32" if isinstance(s, float) else "i32" for s in step.scalars]
+        outs = [f"*{dt}" if b.dtype == LOGITS else f"*{TYPES[b.dtype]}" for b in step.outputs]
+        env.update((b.name, t) for b, t in zip(step.outputs, outs))
+        names = [p.name for p in step.kernel.params if not p.is_constexpr]
+        assert len(names) == len(types + outs), (step.kernel.__name__, names, types, outs)
+        yield step.kernel, dict(zip(names, types + outs)), dict(step.constexprs), step.num_warps
+
+
+def _ce():
+    f32, i32 = "*fp32", "*i32"
+    options = (dict(ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None),
+               dict(ignore_index=-100, smoothing=0.1, z_loss=1e-4, softcap=30.0))
+    for (dt, (n, v)), opts in itertools.product(CASES, options):
+        for write_grad in (True, False):
+            yield from _specs(ce.ce_fwd_plan(n, v, num_sms=SMS, write_grad=write_grad, **opts),
+                              dt, dict(y=i32, row_scale=f32))
+        yield from _specs(ce.ce_bwd_plan(n, v, softcap=opts["softcap"], num_sms=SMS), dt,
+                          dict(y=i32, lse=f32, coef=f32))
+        yield from _specs(ce.ce_partials_plan(n, v, softcap=opts["softcap"],
+                                              smoothing=opts["smoothing"], num_sms=SMS),
+                          dt, dict(y=i32))
+    for dt, (n, v) in CASES:
+        yield from _specs(ce.scale_rows_plan(n, v, 4 if dt == "fp32" else 2), dt,
+                          dict(grad=f"*{dt}", cot="*fp32"))
+
+
+def _reductions():
+    for (dt, (n, v)), entropy, has_label in itertools.product(CASES, (False, True),
+                                                               (False, True)):
+        kw = dict(inv_temp=1.0 / 0.7, entropy=entropy, has_label=has_label, num_sms=SMS)
+        types = dict(y="*i32", lse="*fp32", ent="*fp32", cot="*fp32")
+        for plan in (red.red_fwd_plan, red.red_partials_plan, red.red_bwd_plan):
+            yield from _specs(plan(n, v, **kw), dt, types)
+
+
+def _kd():
+    options = (("full", False, 2.0), ("topk", False, 1.0), ("full", True, 1.0),
+               ("full", True, 2.0), ("topk", True, 2.0))
+    types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32")
+    for dt, (n, v), (normalize, distill, t), write_grad in itertools.product(
+            DTYPES, SHAPES[:2], options, (True, False)):
+        yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
+                                         distill=distill, ignore_index=-100, num_sms=SMS,
+                                         write_grad=write_grad), dt, types)
+    for k in (1, 128):
+        yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
+                                         distill=True, ignore_index=-100, num_sms=SMS,
+                                         write_grad=True), "bf16", types)
+
+
+def specs():
+    """Distinct compiles, in a stable order."""
+    seen = set()
+    for kernel, sig, constexprs, warps in itertools.chain(_ce(), _reductions(), _kd()):
+        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps)
+        if key not in seen:
+            seen.add(key)
+            yield kernel, sig, constexprs, warps
