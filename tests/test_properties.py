@@ -38,7 +38,7 @@ hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 given = hypothesis.given
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if _triton_jax.on_cuda_gpu() else "cpu"  # the probe conftest uses
 IMPLS = ("xla", "triton", "torch_ref")
 OFFSETS = (0.0, -7.5, 100.0, 1e3, -1e3)
 FP16_TINY = 6e-8  # fp16's smallest subnormal: smaller gradient entries flush to 0
