@@ -28,7 +28,9 @@ else:
 
 # (model, aux, inputs, labels) -> scalar loss; `aux` is any extra pytree or module (a teacher).
 LossFn = Callable[[nnx.Module, Any, jax.Array, jax.Array], jax.Array]
-LOSS_IMPLS = ("fused", "optax")
+LOSS_IMPLS = ("fused", "optax")  # losses of the logits
+# ...and the LM head's projection + loss in one op, never materialising the logits.
+LM_LOSSES = LOSS_IMPLS + ("fused-linear",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +87,21 @@ class TransformerLM(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """Token ids `[B, T]` -> the final normalised hidden states `[B, T, D]` (the LM head's
+        input)."""
         x = self.embed(tokens)
         x = x + self.pos[: tokens.shape[1]].astype(x.dtype)
         for block in self.blocks:
             x = block(x)
-        return self.embed.attend(self.norm(x))
+        return self.norm(x)
+
+    def head_table(self) -> jax.Array:
+        """The LM head's weight: the tied embedding table `[V, D]` in the compute dtype."""
+        return self.embed.embedding[...].astype(jnp.dtype(self.embed.dtype))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.embed.attend(self.hidden(tokens))
 
 
 def num_params(model: nnx.Module) -> int:
@@ -119,6 +130,16 @@ def lm_loss(logits: jax.Array, labels: jax.Array, *, impl: str, z_loss: float) -
     return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def linear_lm_loss(model: TransformerLM, tokens: jax.Array, labels: jax.Array, *,
+                   z_loss: float) -> jax.Array:
+    """`lm_loss` with the LM head fused in: `jax_fusedloss.linear_cross_entropy` of the final
+    hidden states and the tied embedding table `[V, D]` (`weight_layout="vd"`, no transposed
+    copy), so the `[B, T, V]` logits and their gradient are never materialised."""
+    return jax_fusedloss.linear_cross_entropy(
+        model.hidden(tokens), model.head_table(), labels, weight_layout="vd",
+        ignore_index=IGNORE_INDEX, z_loss=z_loss)
+
+
 def ce_objective(impl: str, z_loss: float, *,
                  logits_sharding: jax.sharding.Sharding | None = None,
                  on_logits: Callable[[jax.Array], None] | None = None) -> LossFn:
@@ -126,10 +147,13 @@ def ce_objective(impl: str, z_loss: float, *,
 
     `logits_sharding` pins the logits' layout (on a mesh: `P("data", None, "model")`);
     `on_logits` is a debugging hook called, while tracing, on the logits the loss receives.
+    `impl="fused-linear"` (`linear_lm_loss`) has no logits: neither applies.
     """
 
     def loss_fn(model: nnx.Module, aux: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         del aux
+        if impl == "fused-linear":
+            return linear_lm_loss(model, x, y, z_loss=z_loss)
         logits = model(x)
         if logits_sharding is not None:
             logits = jax.lax.with_sharding_constraint(logits, logits_sharding)
@@ -334,6 +358,24 @@ def plot_curves(runs: dict[str, dict], path: Path, title: str,
 def write_metrics(metrics: dict, out: Path) -> None:
     """Writes `metrics.json` to `out`."""
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+def peak_memory_bytes() -> int | None:
+    """The device's peak memory in use so far (`memory_stats()["peak_bytes_in_use"]`, which
+    GPUs report), or None where the backend does not report it (the CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def loss_grad_temp_bytes(model: nnx.Module, loss_fn: LossFn, x: jax.Array,
+                         y: jax.Array) -> int | None:
+    """Temporary memory of the compiled loss + gradient (XLA's `memory_analysis()`: what the
+    program allocates beyond its inputs and outputs; on any backend), or None if unknown."""
+    graphdef, state = nnx.split(model)
+    grad = jax.jit(jax.value_and_grad(
+        lambda state, x, y: loss_fn(nnx.merge(graphdef, state), None, x, y)))
+    analysis = grad.lower(state, x, y).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def runtime_info() -> dict:

@@ -3,17 +3,24 @@
 The text is the Python standard library's own source (see `_data.py`), tokenised with a
 byte-level BPE trained locally. The training objective is the mean next-token cross-entropy over
 the tokens that are not padding, plus a small z-loss; `--loss optax` swaps in optax's
-cross-entropy (same objective, same data, same seed) for an A/B comparison.
+cross-entropy (same objective, same data, same seed) for an A/B comparison, and
+`--loss fused-linear` fuses the LM head into the loss (`jax_fusedloss.linear_cross_entropy`
+of the final hidden states and the tied embedding table, never materialising the logits).
+Each run reports tokens/s and memory: the compiled loss + gradient's temporary bytes (any
+backend) and the device's peak memory in use (GPUs; "n/a" on the CPU).
 
     python -m examples.train_lm                      # CPU default: a few minutes on 2 cores
     python -m examples.train_lm --loss optax --out out/train_lm_optax
+    python -m examples.train_lm --loss fused-linear --out out/train_lm_linear
     python -m examples.train_lm --preset gpu --out out/train_lm_gpu
     python -m examples.train_lm --preset gpu --mesh data=2 --out out/train_lm_dp2
     python -m examples.train_lm --preset gpu --mesh data=1,model=2 --out out/train_lm_vp2
 
 `--mesh` runs on every device JAX sees: "data" splits each batch, "model" splits the vocabulary
 of the LM head (the tied embedding), so the logits are laid out `P("data", None, "model")`;
-run it with `--loss fused` and `--loss optax` to compare tokens/s on one mesh. On a CPU,
+run it with `--loss fused`, `--loss fused-linear` (the table split by vocabulary: each device
+projects onto its slice and merges softmax statistics) and `--loss optax` to compare tokens/s
+on one mesh. On a CPU,
 `XLA_FLAGS=--xla_force_host_platform_device_count=4` gives four devices.
 
 Writes `metrics.json` and `loss_curves.png` to `--out`.
@@ -68,8 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=_common.HelpFormatter)
     _common.add_preset_flags(p, PRESETS, SIZE_FLAGS)
-    p.add_argument("--loss", choices=_common.LOSS_IMPLS, default="fused",
-                   help="fused: jax_fusedloss.cross_entropy; optax: optax's cross-entropy")
+    p.add_argument("--loss", choices=_common.LM_LOSSES, default="fused",
+                   help="fused: jax_fusedloss.cross_entropy; optax: optax's cross-entropy; "
+                        "fused-linear: jax_fusedloss.linear_cross_entropy (LM head + loss, "
+                        "no logits kept)")
     p.add_argument("--z-loss", type=float, default=1e-4, help="z-loss coefficient")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up steps / steps")
@@ -132,11 +141,13 @@ def first_batch(data: _data.LMData, args: argparse.Namespace):
 
 
 def first_step_check(model: nnx.Module, data: _data.LMData, args: argparse.Namespace) -> dict:
-    """Both losses on the first training batch at the initial parameters (they must agree)."""
+    """Every loss on the first training batch at the initial parameters (they must agree)."""
     def losses(model: nnx.Module, x: jax.Array, y: jax.Array) -> dict[str, jax.Array]:
         logits = model(x)
-        return {impl: _common.lm_loss(logits, y, impl=impl, z_loss=args.z_loss)
-                for impl in _common.LOSS_IMPLS}
+        out = {impl: _common.lm_loss(logits, y, impl=impl, z_loss=args.z_loss)
+               for impl in _common.LOSS_IMPLS}
+        out["fused-linear"] = _common.linear_lm_loss(model, x, y, z_loss=args.z_loss)
+        return out
 
     return {impl: float(v) for impl, v in nnx.jit(losses)(model, *first_batch(data, args)).items()}
 
@@ -151,7 +162,8 @@ def place_on_mesh(model: nnx.Module, objective, data: _data.LMData,
     _mesh.check_sizes(mesh, batch=args.batch, vocab=data.vocab_size)
     _mesh.shard_(model, mesh)
     report = _mesh.logits_report(model, objective, mesh, *first_batch(data, args))
-    print(f"mesh: {_mesh.describe(mesh)} | logits {report['logits_spec']} | logits-sized "
+    layout = report["logits_spec"] or "never materialised (fused LM head)"
+    print(f"mesh: {_mesh.describe(mesh)} | logits {layout} | logits-sized "
           f"collectives in the compiled loss + gradient: {len(report['logits_collectives'])}")
     return report
 
@@ -169,6 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         logits_sharding=None if mesh is None else _mesh.logits_sharding(mesh))
     sharding = {} if mesh is None else place_on_mesh(model, objective, data, args)
     check = first_step_check(model, data, args)
+    temp_bytes = _common.loss_grad_temp_bytes(model, objective(), *first_batch(data, args))
     print(f"data: {data.info['train_tokens']:,} training tokens, {data.info['val_seqs']} "
           f"validation sequences, padding {100 * data.info['padding_fraction']:.2f}% | "
           f"model: {_common.num_params(model):,} parameters | loss: {args.loss}")
@@ -178,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         loss_impl=args.loss, first_loss=hist["first_loss"], final_loss=hist["final_loss"],
         first_val_loss=hist["first_val_loss"], final_val_loss=hist["final_val_loss"],
         tokens_per_s=hist["tokens_per_s"], wall_s=hist["wall_s"],
+        loss_grad_temp_bytes=temp_bytes, peak_memory_bytes=_common.peak_memory_bytes(),
         first_step_check=check, num_params=_common.num_params(model),
         mesh=None if mesh is None else dict(mesh.shape), **sharding,
         runtime=_common.runtime_info(), data=data.info, model=dataclasses.asdict(cfg),
@@ -189,12 +203,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
                         f"vocabulary {data.vocab_size}, loss={args.loss}")
     _common.write_metrics(metrics, args.out)
     tok_s = hist["tokens_per_s"] or float("nan")
+    peak = metrics["peak_memory_bytes"]
     print(f"train loss {hist['first_loss']:.4f} -> {hist['final_loss']:.4f} | validation loss "
           f"{hist['first_val_loss']:.4f} -> {hist['final_val_loss']:.4f} | {tok_s:,.0f} tok/s | "
-          f"{hist['wall_s']:.1f} s | first-step loss fused {check['fused']:.6f} "
-          f"optax {check['optax']:.6f}{'' if mesh is None else ' | mesh ' + _mesh.describe(mesh)} "
-          f"| wrote {args.out}")
+          f"{hist['wall_s']:.1f} s | loss+grad temp {_mib(temp_bytes)}, peak device memory "
+          f"{_mib(peak)} | first-step loss "
+          + " ".join(f"{k} {v:.6f}" for k, v in check.items())
+          + f"{'' if mesh is None else ' | mesh ' + _mesh.describe(mesh)} | wrote {args.out}")
     return metrics
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 if __name__ == "__main__":

@@ -96,6 +96,21 @@ def test_train_lm_ab_flag_same_first_loss(tmp_path, cache_dir):
     np.testing.assert_allclose(optax_run["train_losses"], fused["train_losses"], rtol=1e-3)
 
 
+def test_train_lm_fused_linear_same_objective(tmp_path, cache_dir):
+    """--loss fused-linear (LM head + loss in linear_cross_entropy) starts from the same loss
+    as the logits losses and reports its memory (the compiled loss + gradient's temporaries;
+    the device peak is n/a on the CPU)."""
+    metrics = train_lm.main(_tiny(tmp_path, cache_dir, "--steps", "3", "--loss", "fused-linear"))
+    check = metrics["first_step_check"]
+    assert set(check) == {"fused", "optax", "fused-linear"}
+    np.testing.assert_allclose(check["fused-linear"], check["fused"], rtol=1e-5)
+    np.testing.assert_allclose(metrics["first_loss"], check["fused-linear"], rtol=1e-5)
+    assert metrics["loss_impl"] == "fused-linear" and metrics["tokens_per_s"] > 0
+    assert metrics["loss_grad_temp_bytes"] > 0
+    assert metrics["peak_memory_bytes"] is None or metrics["peak_memory_bytes"] > 0
+    assert metrics["train_losses"][-1] < metrics["train_losses"][0]
+
+
 @pytest.mark.skipif(not hasattr(jax_fusedloss, "distill_loss"),
                     reason="jax_fusedloss.distill_loss is not available")
 def test_progress_bar_counts_the_step_its_numbers_are_from(tmp_path, cache_dir, capsys):
@@ -169,6 +184,7 @@ def _run_on_4_cpus(out, cache_dir, *flags: str) -> tuple[dict, str]:
     ("data=2,model=2", "fused", "P('data', None, 'model')"),
     ("data=2,model=2", "optax", "P('data', None, 'model')"),
     ("data=4", "fused", "P('data',)"),  # the size-1 "model" axis drops out of the spec
+    ("data=2,model=2", "fused-linear", None),  # no logits: hidden over data, table over model
 ])
 def test_train_lm_on_a_mesh_of_4_cpu_devices(tmp_path, cache_dir, mesh, loss, logits_spec):
     metrics, stdout = _run_on_4_cpus(tmp_path, cache_dir, "--mesh", mesh, "--loss", loss)
