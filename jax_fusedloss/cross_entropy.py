@@ -150,22 +150,42 @@ def _ce_fwd(x, y, opts: CEOptions):
     row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
     if opts.implementation == "triton" and not opts.return_lse:
         # The gradient for a unit cotangent is written in the same pass as the loss: one read
-        # of the logits in all. The backward only rescales rows whose cotangent is not 1.
-        loss, lse, _, grad = _call(opts, "fwd_grad", x, y, row_scale)
-        return (_reduce(loss, denom, opts), lse), (grad, None, None, None, None)
+        # of the logits in all. 16-bit logits are kept too, for other cotangents (_ce_bwd).
+        loss, lse, coef, grad = _call(opts, "fwd_grad", x, y, row_scale)
+        res = (grad, None, None, None, None) if x.dtype == jnp.float32 else (grad, x, y, lse,
+                                                                              coef)
+        return (_reduce(loss, denom, opts), lse), res
     loss, lse, coef = _call(opts, "fwd", x, y, row_scale)
     return (_reduce(loss, denom, opts), lse), (None, x, y, lse, coef)
 
 
 def _ce_bwd(opts: CEOptions, res, cts):
+    """The gradient for cotangents (g_loss, g_lse).
+
+    Without a saved gradient: one pass over x with the cotangent folded into the per-row
+    coefficients before the gradient is rounded to the logits' dtype. With one (the fused
+    Triton forward, written for a unit cotangent): float32 rows are rescaled (in place, rows
+    whose cotangent is 1 skipped; a second fp32 rounding, about 1 ulp). For bfloat16/float16
+    a rescale would round twice and flush entries below the dtype's smallest subnormal before
+    a loss scale could save them, so the saved gradient is returned as is when every row's
+    cotangent is exactly 1 (plain `jax.grad(loss)`) and otherwise recomputed from x, which
+    the forward kept for this (one `jax.lax.cond`, so only one branch runs; under `vmap` with
+    batched cotangents both run). Cost of the recompute: one more read of x and write of the
+    gradient; memory: x stays alive until the backward (16-bit logits on the fused path)."""
     grad, x, y, lse, coef = res
     g_loss, g_lse = cts
-    if grad is not None:
-        return _call(opts, "scale", grad, _row_cotangent(g_loss, grad.shape[0], opts))[0], None
-    cot = _row_cotangent(g_loss, x.shape[0], opts)
-    coef = coef * cot[:, None]
-    coef = coef.at[:, 0].add(g_lse.astype(jnp.float32))
-    return _call(opts, "bwd", x, y, lse, coef)[0], None
+    n = (grad if grad is not None else x).shape[0]
+    cot = _row_cotangent(g_loss, n, opts)
+
+    def recompute():
+        c = (coef * cot[:, None]).at[:, 0].add(g_lse.astype(jnp.float32))
+        return _call(opts, "bwd", x, y, lse, c)[0]
+
+    if grad is None:
+        return recompute(), None
+    if x is None:
+        return _call(opts, "scale", grad, cot)[0], None
+    return jax.lax.cond(jnp.all(cot == 1.0), lambda: grad, recompute), None
 
 
 _ce.defvjp(_ce_fwd, _ce_bwd)
@@ -200,8 +220,10 @@ def cross_entropy(
 
     The logits are read once per pass with an online softmax (Milakov & Gimelshein, 2018).
     Under differentiation the Triton forward also writes the gradient for a unit cotangent, so
-    forward + backward reads the logits once and writes their gradient once; the backward only
-    rescales rows whose cotangent is not exactly 1 (e.g. a loss multiplied by a weight).
+    forward + backward reads the logits once and writes their gradient once. For any other
+    cotangent (a loss scale, per-token weights) float32 rows are rescaled, and 16-bit logits'
+    gradients are recomputed with the cotangent applied before rounding (one more read of the
+    logits), so they are as accurate as float32 math rounded once.
 
     Args:
       logits: `[..., V]` float32, bfloat16 or float16.

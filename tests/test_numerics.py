@@ -19,7 +19,7 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-from jax_fusedloss import _common
+from jax_fusedloss import _common, _triton_jax
 from tests.helpers import assert_close, force_path, to_numpy
 
 IMPL_PATHS = [("triton", "rows"), ("triton", "split"), ("torch_ref", "rows"),
@@ -443,3 +443,65 @@ def test_public_int64_labels_checked_at_own_width():
                                            reduction="none", implementation="xla")
     assert np.isnan(to_numpy(loss)[0])
 
+
+
+# ----------------------------------------------------------------------------- loss scaling
+# fp16 training multiplies the loss by a scale (here 1024) so that small gradient entries
+# survive fp16: the gradient must be as accurate as float64 * scale rounded to fp16 once. A
+# unit-cotangent gradient written in fp16 and rescaled afterwards flushes entries below fp16's
+# smallest subnormal before the scale could save them (4.3% of them for "ce" before the fix).
+# (N, V, logit std) per op: distill on a smaller shape with wider logits (interpreter time).
+LOSS_SCALE = 1024.0
+SCALE_SHAPES = {"ce": (64, 2048, 2.0), "distill": (16, 512, 4.0)}
+
+
+def scaled_grad(impl, op, x, ids, lp, y):
+    """Gradient of LOSS_SCALE * loss("mean") w.r.t. fp16 logits, as float64 numpy."""
+    if impl == "torch_ref":
+        xt = torch.from_numpy(x).to(torch.float16).requires_grad_(True)
+        if op == "ce":
+            loss = torch_ref.cross_entropy(xt, torch.from_numpy(y))
+        else:
+            loss = torch_ref.distill_loss(xt, torch.from_numpy(y), torch.from_numpy(ids),
+                                          torch.from_numpy(lp), alpha=0.5)
+        (loss * LOSS_SCALE).backward()
+        return xt.grad.double().numpy()
+
+    def f(x):
+        if op == "ce":
+            return jax_fusedloss.cross_entropy(x, jnp.asarray(y), implementation=impl)
+        return jax_fusedloss.distill_loss(x, jnp.asarray(y), jnp.asarray(ids), jnp.asarray(lp),
+                                          alpha=0.5, implementation=impl)
+
+    g = jax.jit(jax.grad(lambda x: f(x) * LOSS_SCALE))(jnp.asarray(x, jnp.float16))
+    return np.asarray(g, np.float64)
+
+
+@pytest.mark.parametrize("op", ["ce", "distill"])
+def test_fp16_loss_scaling_not_flushed(impl, op, interpreter):
+    """Every implementation; the launch paths differ only in the forward, which writes the
+    same unit gradient, so "split" runs the smaller distill case only."""
+    if impl != "xla" and op == "ce" and _triton_jax.num_sms() > 1:
+        pytest.skip("ce runs on the rows path (interpreter time)")
+    n, vocab, std = SCALE_SHAPES[op]
+    rng = np.random.default_rng(17)
+    x = (rng.normal(size=(n, vocab)) * std).astype(np.float16).astype(np.float32)
+    y = rng.integers(0, vocab, n).astype(np.int32)
+    ids = np.stack([rng.choice(vocab, 4, replace=False) for _ in range(n)]).astype(np.int32)
+    lp = np.log(rng.dirichlet(np.ones(5), n)[:, :4]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = (np_softmax(x64) - onehot(y, vocab)) / n
+    if op == "distill":
+        _, kd_grad = np_kd(x, ids, lp, 1.0, "full")
+        ref = 0.5 * ref + 0.5 * kd_grad / n
+    ref *= LOSS_SCALE
+    got = scaled_grad(impl, op, x, ids, lp, y)
+    representable = np.abs(ref) >= 6e-8  # fp16's smallest subnormal
+    flushed = float(np.mean(got[representable] == 0))
+    rel = np.abs(got - ref)[representable] / np.abs(ref[representable])
+    once = np.abs(ref.astype(np.float16).astype(np.float64) - ref)[representable]
+    rel_once = once / np.abs(ref[representable])
+    assert flushed == 0.0, f"{flushed:.2%} of gradient entries flushed to zero"
+    assert rel.mean() <= 1.5 * rel_once.mean() + 1e-5, (
+        f"mean relative error {rel.mean():.3g} vs {rel_once.mean():.3g} for float64 * scale "
+        f"rounded to fp16 once; max {rel.max():.3g}")

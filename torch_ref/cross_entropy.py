@@ -63,8 +63,10 @@ class _CrossEntropy(torch.autograd.Function):
                                      write_grad)
         ctx.reduction, ctx.softcap = reduction, softcap
         ctx.shape = logits.shape
-        if write_grad:
+        if write_grad and x.dtype == torch.float32:
             ctx.save_for_backward(grad.view(logits.shape))  # returned as is: see backward
+        elif write_grad:  # 16-bit: x and the row statistics too, for cotangents other than 1
+            ctx.save_for_backward(grad.view(logits.shape), x, y, lse, coef)
         else:
             ctx.save_for_backward(x, y, lse, coef)
         out = loss.reshape(labels.shape) if reduction == "none" else loss.sum() / denom
@@ -72,15 +74,25 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
+        """The saved unit-cotangent gradient: rescaled for float32 logits; for 16-bit ones
+        returned as is when the cotangent is exactly 1 and otherwise recomputed from the saved
+        logits with the cotangent folded into the row coefficients before rounding (a rescale
+        would round twice and flush small fp16 entries before a loss scale could save them;
+        the recompute costs one more read of the logits and write of the gradient)."""
         no_double_backward("cross_entropy")
         saved = ctx.saved_tensors
         if len(saved) == 1:
             return (scaled_saved_grad(saved[0], g_loss, ctx.reduction == "none"),) + (None,) * 7
+        if len(saved) == 5:
+            grad, *saved = saved
+            if bool((g_loss == 1).all()):  # one read (a sync on CUDA)
+                return (grad,) + (None,) * 7
         x, y, lse, coef = saved
         n = x.shape[0]
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
         coef = coef * cot[:, None]
-        coef[:, 0] += g_lse.reshape(-1).float()
+        if g_lse is not None:
+            coef[:, 0] += g_lse.reshape(-1).float()
         grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
         return grad.reshape(ctx.shape), None, None, None, None, None, None, None
 
