@@ -231,9 +231,11 @@ def test_vmap_and_scan():
 
     g = jax.grad(f, (0, 1, 2))
     got = jax.jit(jax.vmap(g, (0, None, None, 0)))(hb, w, b, yb)
-    _, scanned = jax.lax.scan(lambda c, hy: (c, g(hy[0], w, b, hy[1])), 0.0, (hb, yb))
+    _, scanned = jax.jit(lambda hb, yb: jax.lax.scan(
+        lambda c, hy: (c, g(hy[0], w, b, hy[1])), 0.0, (hb, yb)))(hb, yb)
+    g_one = jax.jit(g)
     for i in range(3):
-        want = g(hb[i], w, b, yb[i])
+        want = g_one(hb[i], w, b, yb[i])
         for a, s, r, name in zip(got, scanned, want, ("dh", "dw", "db")):
             assert_close(a[i], r, rtol=1e-5, atol=1e-6, what=f"vmap {name}[{i}]")
             assert_close(s[i], r, rtol=1e-5, atol=1e-6, what=f"scan {name}[{i}]")
