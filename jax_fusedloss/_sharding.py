@@ -200,14 +200,20 @@ def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax
 
     @wrapped.def_vmap
     def _rule(axis_size, in_batched, *args):
+        one = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+               for a, b in zip(args, in_batched)]
+        rows = one[0].shape[0]
+        if axis_size * rows == 0:  # nothing to launch (a size-0 batch, or no rows)
+            outs = jax.eval_shape(fn, *one)
+            return (tuple(jax.numpy.zeros((axis_size,) + o.shape, o.dtype) for o in outs),
+                    tuple(True for _ in outs))
         flat = []
         for a, batched in zip(args, in_batched):
             if not batched:
                 a = jax.numpy.broadcast_to(a, (axis_size,) + a.shape)
             flat.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
         outs = wrapped(*flat)
-        outs = tuple(o.reshape((axis_size, o.shape[0] // max(axis_size, 1)) + o.shape[1:])
-                     for o in outs)
+        outs = tuple(o.reshape((axis_size, rows) + o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
     return wrapped

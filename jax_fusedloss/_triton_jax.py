@@ -206,19 +206,27 @@ def run_rows(make_plan: Callable[[int, int], Any], names: Sequence[str], *arrays
 def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:
     """Makes `fn(*arrays)`, whose arrays and outputs all lead with one row axis, vmappable.
 
-    jax-triton has no batching rule, so a vmapped call folds the batch axis into rows.
+    jax-triton has no batching rule, so a vmapped call folds the batch axis into rows. A
+    size-0 batch (or no rows) gives empty outputs without launching anything.
     """
     wrapped = jax.custom_batching.custom_vmap(fn)
 
     @wrapped.def_vmap
     def _rule(axis_size, in_batched, *args):
+        one = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
+               for a, b in zip(args, in_batched)]
+        rows = one[0].shape[0]
+        if axis_size * rows == 0:  # nothing to launch (a size-0 batch, or no rows)
+            outs = jax.eval_shape(fn, *one)
+            return (tuple(jnp.zeros((axis_size,) + o.shape, o.dtype) for o in outs),
+                    tuple(True for _ in outs))
         flat = []
         for a, batched in zip(args, in_batched):
             if not batched:
                 a = jnp.broadcast_to(a, (axis_size,) + a.shape)
             flat.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
         outs = wrapped(*flat)
-        outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
+        outs = tuple(o.reshape((axis_size, rows) + o.shape[1:]) for o in outs)
         return outs, tuple(True for _ in outs)
 
     return wrapped

@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -505,3 +507,33 @@ def test_fp16_loss_scaling_not_flushed(impl, op, interpreter):
     assert rel.mean() <= 1.5 * rel_once.mean() + 1e-5, (
         f"mean relative error {rel.mean():.3g} vs {rel_once.mean():.3g} for float64 * scale "
         f"rounded to fp16 once; max {rel.max():.3g}")
+
+
+# ----------------------------------------------------------------------------- vmap over size 0
+VMAP_OPS = {
+    "cross_entropy": lambda x, y, impl: jax_fusedloss.cross_entropy(x, y, implementation=impl),
+    "cross_entropy-none-lse": lambda x, y, impl: jnp.sum(jnp.stack(jax_fusedloss.cross_entropy(
+        x, y, reduction="none", return_lse=True, implementation=impl))),
+    "logsumexp": lambda x, y, impl: jax_fusedloss.logsumexp(x, implementation=impl),
+    "entropy": lambda x, y, impl: jax_fusedloss.entropy(x, implementation=impl),
+    "token_logprobs": lambda x, y, impl: jax_fusedloss.token_logprobs(x, y, implementation=impl),
+    "kd_loss": lambda x, y, impl: jax_fusedloss.kd_loss(
+        x, jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2)), implementation=impl),
+    "distill_loss": lambda x, y, impl: jax_fusedloss.distill_loss(
+        x, y, jnp.zeros((3, 2), jnp.int32), jnp.zeros((3, 2)), alpha=0.5, implementation=impl),
+}
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+def test_vmap_over_size_zero_axis(impl, interpreter):
+    """jax.vmap over an empty batch gives empty results and gradients, launching nothing (the
+    batching rule divided by the batch size: ZeroDivisionError)."""
+    x, y = jnp.ones((0, 3, 7)), jnp.zeros((0, 3), jnp.int32)
+    for name, op in VMAP_OPS.items():
+        f = functools.partial(op, impl=impl)
+        value = jax.vmap(f)(x, y)
+        assert value.shape[0] == 0, f"{name}: {value.shape}"
+        grad = jax.jit(jax.vmap(jax.grad(lambda x, y: jnp.sum(f(x, y)))))(x, y)
+        assert grad.shape == x.shape, f"{name}: grad {grad.shape}"
+        unbatched_y = jax.vmap(f, in_axes=(0, None))(x, jnp.zeros(3, jnp.int32))
+        assert unbatched_y.shape == value.shape, f"{name}: {unbatched_y.shape}"
