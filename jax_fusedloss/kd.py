@@ -164,8 +164,23 @@ def _kd_bwd(opts: KDOptions, res, g):
 _kd.defvjp(_kd_fwd, _kd_bwd)
 
 
+# The KD kernels hold a row's teacher entries in one [BLOCK_K, 16] tile (BLOCK_K the next power
+# of two >= K): Triton caps a tensor at 2**20 elements, so more entries do not compile on a GPU.
+MAX_TRITON_K = 65536
+
+
 def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
-    """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row."""
+    """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row. More
+    than MAX_TRITON_K teacher entries: implementation=None runs the XLA twin, "triton" raises
+    NotImplementedError."""
+    k = ids.shape[1]
+    if k > MAX_TRITON_K:
+        if implementation == "triton":
+            raise NotImplementedError(
+                f'implementation="triton" takes at most {MAX_TRITON_K} teacher entries per '
+                f"token (the kernels' tile limit), got teacher_ids.shape[-1]={k}: use "
+                f'implementation="xla" (or None) or fewer entries')
+        implementation = "xla"
     return _common.dispatch_op(_kd, implementation, x, ids, lp, y, row_scale, opts=opts)
 
 

@@ -537,3 +537,23 @@ def test_vmap_over_size_zero_axis(impl, interpreter):
         assert grad.shape == x.shape, f"{name}: grad {grad.shape}"
         unbatched_y = jax.vmap(f, in_axes=(0, None))(x, jnp.zeros(3, jnp.int32))
         assert unbatched_y.shape == value.shape, f"{name}: {unbatched_y.shape}"
+
+
+# ----------------------------------------------------------------------------- K > 65536
+def test_more_than_65536_teacher_entries():
+    """The KD kernels' tile caps K at 65536 (more does not compile for sm_90; the interpreter
+    would hide it): forced "triton" says so, None runs the XLA twin, torch_ref raises."""
+    k = 65537
+    x, ids, lp = jnp.zeros((1, k)), jnp.zeros((1, k), jnp.int32), jnp.zeros((1, k))
+    y = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(NotImplementedError, match="at most 65536 teacher entries"):
+        jax_fusedloss.kd_loss(x, ids, lp, implementation="triton")
+    with pytest.raises(NotImplementedError, match="at most 65536 teacher entries"):
+        jax_fusedloss.distill_loss(x, y, ids, lp, alpha=0.5, implementation="triton")
+    out = jax.eval_shape(lambda x: jax_fusedloss.kd_loss(x, ids, lp), x)
+    assert out.shape == ()
+    xt, idt, lpt = torch.zeros(1, k), torch.zeros(1, k, dtype=torch.int32), torch.zeros(1, k)
+    with pytest.raises(ValueError, match=r"teacher_ids.shape\[-1\]=65537 \(K\) must be at most"):
+        torch_ref.kd_loss(xt, idt, lpt)
+    with pytest.raises(ValueError, match="must be at most 65536"):
+        torch_ref.distill_loss(xt, torch.zeros(1, dtype=torch.int64), idt, lpt, alpha=0.5)

@@ -54,6 +54,9 @@ class _KD(torch.autograd.Function):
         return (grad.view(ctx.shape),) + (None,) * 10
 
 
+MAX_K = 65536  # as jax_fusedloss.kd.MAX_TRITON_K (this package does not import JAX)
+
+
 def _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
     """The JAX API's checks (jax_fusedloss.kd.check_teacher): the kernels index the teacher
     tensors by the logits' rows, so a shape mismatch would read out of bounds."""
@@ -74,6 +77,10 @@ def _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
     if not 1 <= n_k <= vocab:
         raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must lie in [1, V] with "
                          f"V=student_logits.shape[-1]={vocab}")
+    if n_k > MAX_K:
+        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must be at most {MAX_K}: the kernels "
+                         f"hold a row's teacher entries in one tile (Triton's 2**20-element "
+                         f"limit); jax_fusedloss.kd_loss runs larger K on its XLA twin")
     if not teacher_logprobs.dtype.is_floating_point:
         raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
     if teacher_logprobs.shape != teacher_ids.shape:
