@@ -1,4 +1,12 @@
-"""Walking `[N, V]` in vocabulary chunks with plain JAX, without `[N, V]` float32 temporaries."""
+"""Walking `[N, V]` with plain JAX without `[N, V]` float32 temporaries.
+
+Two walks give the same per-row statistics (the same step functions, see `online_stats`):
+- by vocabulary chunks of `CHUNK` columns (TPU, GPU): an online softmax over the chunks;
+- on CPU by whole rows (`whole_rows`): XLA:CPU reduces whole rows fast (YNNPACK fusions), so a
+  row is one chunk. A float32 `x` is reduced at once (no temporaries); a 16-bit `x` is walked in
+  blocks of rows through a uint16 view (see `row_blocks`). The gradient is one elementwise
+  fusion over `[N, V]` that writes the output dtype directly.
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,6 +17,14 @@ import jax.numpy as jnp
 from jax_fusedloss._sharding import match_varying
 
 CHUNK = 4096  # columns per step: [N, 4096] float32 temporaries at most
+# CPU, 16-bit logits: rows per block so a block's float32 copy is about this size (a [65,
+# 32000] block; measured as fast as 16 or 256 rows on a 2-core EPYC, benchmarks/cpu.py).
+ROW_BLOCK_BYTES = 8 << 20
+
+
+def whole_rows() -> bool:
+    """Whether the twins take a whole row as one chunk (CPU): decided at trace time."""
+    return jax.default_backend() == "cpu"
 
 
 def chunk_layout(vocab: int) -> tuple[int, int]:
@@ -27,12 +43,38 @@ def transform(x: jax.Array, inv_temp: float, softcap: float | None):
     """(z, dz/dx) in float32 for a chunk of raw logits."""
     x = x.astype(jnp.float32) * inv_temp
     if softcap is None:
-        return x, jnp.full_like(x, inv_temp)
+        return rounded(x) if inv_temp != 1.0 else x, jnp.full_like(x, inv_temp)
     u = x / softcap
     t = jnp.tanh(u)
     # 1 - tanh(u)**2 = 4e / (1 + e)**2 with e = exp(-2|u|): no cancellation where |t| ~ 1.
     e = jnp.exp(-2.0 * jnp.abs(u))
-    return softcap * t, 4.0 * e / ((1.0 + e) * (1.0 + e)) * inv_temp
+    return rounded(softcap * t), 4.0 * e / ((1.0 + e) * (1.0 + e)) * inv_temp
+
+
+def rounded(z):
+    """z (a product) rounded to float32 before it is used, on CPU: in one elementwise fusion
+    XLA:CPU contracts `x * c - m` into an FMA, so `z - lse` at a row's largest entry would
+    differ between the statistics and the gradient (a V=1 row's gradient not exactly 0). The
+    select (NaN stays NaN) keeps the product apart; elsewhere z is returned as is."""
+    return jnp.where(z == z, z, jnp.nan) if whole_rows() else z
+
+
+def online_step(carry, z, zsum):
+    """One chunk of `online_stats`: carry (max, s, sum z, sum z e) updated by chunk z (masked
+    entries -inf) and zsum (z with masked entries 0)."""
+    m, s, sz, szp = carry
+    m_new = jnp.maximum(m, z.max(axis=1))
+    ms = safe_max(m_new)
+    alpha = jnp.exp(m - ms)
+    e = jnp.exp(z - ms[:, None])
+    return (m_new, s * alpha + e.sum(axis=1), sz + zsum.sum(axis=1),
+            szp * alpha + jnp.where(e > 0, z * e, 0.0).sum(axis=1))
+
+
+def stats_init(n: int, count: int):
+    """The merge identity (-inf, 0, ...) for `count` float32 per-row statistics."""
+    zeros = jnp.zeros((n,), jnp.float32)
+    return (jnp.full((n,), -jnp.inf, jnp.float32),) + (zeros,) * (count - 1)
 
 
 def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = None):
@@ -41,25 +83,49 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
     Masked or -inf entries add nothing; the merge identity is (-inf, 0, 0, 0).
     """
     n, vocab = x.shape
+    if whole_rows():
+        def rows(xb):
+            z, _ = transform(xb, inv_temp, softcap)
+            return online_step(stats_init(xb.shape[0], 4), z, z)
+
+        return row_blocks(x, rows, 4, whole=softcap is None and inv_temp == 1.0)
     width, count = chunk_layout(vocab)
 
     def body(i, carry):
-        m, s, sz, szp = carry
         start, owned = chunk_start(i, vocab, width)
         mask = (start + jnp.arange(width)) >= owned
         z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, softcap)
-        z = jnp.where(mask, z, -jnp.inf)
-        m_new = jnp.maximum(m, z.max(axis=1))
-        ms = safe_max(m_new)
-        alpha = jnp.exp(m - ms)
-        e = jnp.exp(z - ms[:, None])
-        zf = jnp.where(mask, z, 0.0)
-        return (m_new, s * alpha + e.sum(axis=1), sz + zf.sum(axis=1),
-                szp * alpha + jnp.where(e > 0, z * e, 0.0).sum(axis=1))
+        return online_step(carry, jnp.where(mask, z, -jnp.inf), jnp.where(mask, z, 0.0))
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    init = carry_like(x, (jnp.full((n,), -jnp.inf, jnp.float32), zeros, zeros, zeros))
-    return jax.lax.fori_loop(0, count, body, init)
+    return jax.lax.fori_loop(0, count, body, carry_like(x, stats_init(n, 4)))
+
+
+def row_blocks(x: jax.Array, rows: Callable, count: int, whole: bool = False):
+    """rows(xb) -> `count` float32 [R] statistics of the rows xb of x, for all rows of x.
+
+    With `whole` (rows reduces x itself, no transformed copy to share between reductions), a
+    float32 x is passed at once: XLA:CPU fuses each reduction with its elementwise producers.
+    Otherwise x is walked in blocks of about ROW_BLOCK_BYTES of float32, the last block shifted
+    up to stay in bounds (its overlap is recomputed, equal), so that a transformed z (softcap,
+    temperature) or a 16-bit x's float32 copy (YNNPACK's reductions take float32) is one
+    block. XLA:CPU's float normalization turns a bf16 dynamic-slice into a slice of a float32
+    copy of all of x hoisted out of the loop: a uint16 view of x is sliced instead.
+    """
+    n, vocab = x.shape
+    if (whole and x.dtype == jnp.float32) or n == 0:
+        return rows(x)
+    r = min(n, max(1, ROW_BLOCK_BYTES // (4 * vocab)))
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype.itemsize == 2 else x
+
+    def body(i, out):
+        start = jnp.minimum(i * r, n - r)
+        xb = jax.lax.dynamic_slice_in_dim(bits, start, r, axis=0)
+        xb = jax.lax.bitcast_convert_type(xb, x.dtype) if bits is not x else xb
+        return tuple(jax.lax.dynamic_update_slice_in_dim(o, v, start, axis=0)
+                     for o, v in zip(out, rows(xb)))
+
+    init = tuple(jnp.zeros((n,), jnp.float32) for _ in range(count))
+    return jax.lax.fori_loop(0, -(-n // r), body, carry_like(x, init))
 
 
 def safe_max(m):
@@ -80,8 +146,11 @@ def poison_inf(lse):
 
 
 def write_chunks(x: jax.Array, out_dtype, chunk_grad: Callable) -> jax.Array:
-    """Builds an `[N, V]` array chunk by chunk: chunk_grad(cols, z, dz) -> float32 [N, width]."""
+    """Builds an `[N, V]` array chunk by chunk: chunk_grad(cols, x chunk) -> float32 [N, width].
+    On CPU the whole row is one chunk: one elementwise fusion writes out_dtype."""
     n, vocab = x.shape
+    if whole_rows():
+        return chunk_grad(jnp.arange(vocab), x).astype(out_dtype)
     width, count = chunk_layout(vocab)
 
     def body(i, out):

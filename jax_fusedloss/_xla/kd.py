@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, lse_from_stats,
+                                       rounded, row_blocks, stats_init, whole_rows,
                                        write_chunks)
 from jax_fusedloss._xla.chunks import poison_inf, safe_max
 from jax_fusedloss._xla.cross_entropy import label_state
@@ -29,6 +30,16 @@ def _update(m, s, z):
 def vocab_lse(x: jax.Array, scales: tuple[float, ...]) -> tuple[jax.Array, ...]:
     """logsumexp over the vocabulary of x * scale for each scale, in one walk; float32 [N]."""
     n, vocab = x.shape
+    init = tuple(stats_init(n, 2) for _ in scales)
+    if whole_rows():
+        def rows(xb):
+            z = xb.astype(jnp.float32)
+            return tuple(v for scale in scales
+                         for v in _update(*stats_init(xb.shape[0], 2),
+                                          rounded(z * scale) if scale != 1.0 else z))
+
+        flat = row_blocks(x, rows, 2 * len(scales), whole=all(c == 1.0 for c in scales))
+        return tuple(lse_from_stats(flat[2 * i], flat[2 * i + 1]) for i in range(len(scales)))
     width, count = chunk_layout(vocab)
 
     def body(i, carry):
@@ -37,8 +48,6 @@ def vocab_lse(x: jax.Array, scales: tuple[float, ...]) -> tuple[jax.Array, ...]:
         z = jnp.where((start + jnp.arange(width)) >= owned, z, -jnp.inf)
         return tuple(_update(m, s, z * scale) for (m, s), scale in zip(carry, scales))
 
-    init = tuple((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
-                 for _ in scales)
     return tuple(lse_from_stats(m, s)
                  for m, s in jax.lax.fori_loop(0, count, body, carry_like(x, init)))
 
@@ -146,7 +155,7 @@ def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
             g = ce_a[:, None] * (jnp.exp(z - lse_safe[:, None])
                                  - (cols[None, :] == y_local[:, None]))
         if full:
-            g = g + coef_s[:, None] * jnp.exp(z * inv_temp - L_safe[:, None])
+            g = g + coef_s[:, None] * jnp.exp(rounded(z * inv_temp) - L_safe[:, None])
         return jnp.where(bad[:, None], jnp.nan, g)
 
     if opts.distill or full:

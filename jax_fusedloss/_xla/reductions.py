@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, transform,
-                                       write_chunks)
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, row_blocks,
+                                       stats_init, transform, whole_rows, write_chunks)
 from jax_fusedloss._xla.chunks import lse_from_stats, safe_max
 
 
@@ -56,22 +56,28 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
     """Per-row partials (m, s, u, z[y] or 0 outside [0, V); None without labels) of `[N, V]`
     logits in one chunked pass."""
     n, vocab = x.shape
-    width, count = chunk_layout(vocab)
     inv_temp = 1.0 / opts.temperature
 
-    def body(i, carry):
-        start, owned = chunk_start(i, vocab, width)
-        z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, None)
-        z = jnp.where(start + jnp.arange(width) >= owned, z, -jnp.inf)
+    def step(carry, z):
         mc = jnp.max(z, axis=1, keepdims=True)
         d = z - safe_max(mc)
         e = jnp.exp(d)
         chunk = (mc[:, 0], e.sum(axis=1), (jnp.where(e > 0, d, 0.0) * e).sum(axis=1))
         return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    m, s, u = jax.lax.fori_loop(0, count, body,
-                                carry_like(x, (jnp.full((n,), -jnp.inf), zeros, zeros)))
+    if whole_rows():
+        m, s, u = row_blocks(
+            x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3)
+    else:
+        width, count = chunk_layout(vocab)
+
+        def body(i, carry):
+            start, owned = chunk_start(i, vocab, width)
+            z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp,
+                             None)
+            return step(carry, jnp.where(start + jnp.arange(width) >= owned, z, -jnp.inf))
+
+        m, s, u = jax.lax.fori_loop(0, count, body, carry_like(x, stats_init(n, 3)))
     zy = None
     if y is not None:
         inside = (y >= 0) & (y < vocab)
