@@ -33,6 +33,14 @@ def test_four_cpu_devices_xla(interpreter):
     assert out.count("OK ") == 8 * 11, out  # 8 ops x (8 jit layouts + 3 shard_map layouts)
 
 
+def test_four_cpu_devices_odd_cases(interpreter):
+    """V=97 (no mesh axis divides it: the vocabulary axis is gathered, values stay exact) and a
+    token shard whose labels are all ignored, for the ops with labels."""
+    out = _run("xla", dict(CPU4, JFL_CHECK_ODD="1"), timeout=900,
+               only="cross_entropy,token_logprobs,distill_loss")
+    assert out.count("OK ") == 3 * 4, out  # Auto axes, jit only (shard_map needs even slices)
+
+
 def test_four_cpu_devices_triton_interpreter(interpreter):
     """One op per kernel family (the interpreter costs about 1 ms per program and loop step);
     under jit over several CPU devices the XLA twin runs (see _sharding.py), inside shard_map
