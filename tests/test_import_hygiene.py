@@ -62,3 +62,23 @@ def test_torch_frontend_without_jax():
     proc = subprocess.run([sys.executable, "-c", TORCH_WITHOUT_JAX], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
+
+
+def test_cuda_without_jax_triton_falls_back_to_xla(monkeypatch):
+    """implementation=None on a CUDA machine without jax-triton runs the XLA twin; a forced
+    "triton" names the extra to install (simulated: the probe says CUDA, jax_triton absent)."""
+    import jax.numpy as jnp
+    import pytest
+
+    import jax_fusedloss
+    from jax_fusedloss import _common, _triton_jax
+
+    real = _triton_jax._installed
+    monkeypatch.setattr(_triton_jax, "on_cuda_gpu", lambda: True)
+    monkeypatch.setattr(_triton_jax, "_installed", lambda m: m != "jax_triton" and real(m))
+    assert _common.default_implementation() == "triton"
+    x, y = jnp.zeros((2, 8)), jnp.zeros((2,), jnp.int32)
+    loss = jax_fusedloss.cross_entropy(x, y)  # falls through to "xla"
+    assert abs(float(loss) - float(jnp.log(8.0))) < 1e-6
+    with pytest.raises(ImportError, match=r"jax-fusedloss\[gpu\]"):
+        jax_fusedloss.cross_entropy(x, y, implementation="triton")
