@@ -86,6 +86,24 @@ def check_triton_available() -> None:
             'implementation="triton" needs a CUDA GPU, or Triton\'s interpreter on other '
             "machines: set TRITON_INTERPRET=1 in the environment before triton is imported "
             "(and install torch, which the interpreter uses for host buffers).")
+    if not _triton_interprets():
+        raise NotImplementedError(
+            'implementation="triton" without a CUDA GPU runs Triton\'s interpreter, but '
+            "TRITON_INTERPRET=1 was set after triton was imported in this process (triton "
+            "decides at import): set it in the environment before anything imports triton "
+            "(e.g. `TRITON_INTERPRET=1 python ...`, or first thing in conftest.py).")
+
+
+def _triton_interprets() -> bool:
+    """Whether triton, if imported, was imported in interpreter mode: its own jitted helpers
+    (tl.sum) are InterpretedFunctions then, JITFunctions otherwise."""
+    import sys
+
+    if "triton.language" not in sys.modules:
+        return True  # imported later, after the variable: fine
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(sys.modules["triton.language"].sum, InterpretedFunction)
 
 
 @functools.lru_cache(maxsize=1)

@@ -137,6 +137,25 @@ def _row_cotangent(g_loss, n, opts: CEOptions):
         g_loss.astype(jnp.float32), (n,))
 
 
+SECOND_ORDER_MESSAGE = (
+    "jax_fusedloss: second-order derivatives (grad of grad, hessian, jvp of a gradient) are not "
+    "supported: the gradient comes from fused kernels that are first-order only. Differentiate "
+    "the naive formula (e.g. optax.softmax_cross_entropy_with_integer_labels) for those.")
+
+
+@jax.custom_jvp
+def first_order_only(*arrays):
+    """Identity on the backward's inputs; differentiating it (a second-order derivative of an
+    op) raises NotImplementedError with SECOND_ORDER_MESSAGE instead of an error about
+    custom_partitioning or custom_jvp the user never wrote."""
+    return arrays
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _ce(x, y, opts: CEOptions):
     denom = _denominator(y, opts)
@@ -146,6 +165,7 @@ def _ce(x, y, opts: CEOptions):
 
 
 def _ce_fwd(x, y, opts: CEOptions):
+    x, y = first_order_only(x, y)  # the forward is differentiated only for a second order
     denom = _denominator(y, opts)
     row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
     if opts.implementation == "triton" and not opts.return_lse:
@@ -172,8 +192,7 @@ def _ce_bwd(opts: CEOptions, res, cts):
     the forward kept for this (one `jax.lax.cond`, so only one branch runs; under `vmap` with
     batched cotangents both run). Cost of the recompute: one more read of x and write of the
     gradient; memory: x stays alive until the backward (16-bit logits on the fused path)."""
-    grad, x, y, lse, coef = res
-    g_loss, g_lse = cts
+    (grad, x, y, lse, coef), (g_loss, g_lse) = first_order_only(res, cts)
     n = (grad if grad is not None else x).shape[0]
     cot = _row_cotangent(g_loss, n, opts)
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax_fusedloss import _common, _sharding, _triton_jax
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
-from jax_fusedloss.cross_entropy import scale_rows
+from jax_fusedloss.cross_entropy import first_order_only, scale_rows
 
 NORMALIZATIONS = ("full", "topk")
 
@@ -125,6 +125,7 @@ def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
 
 
 def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
+    x, row_scale = first_order_only(x, row_scale)  # differentiated only for a second order
     if opts.implementation == "triton":
         # One read of the logits for loss and gradient (for a unit cotangent); 16-bit logits
         # and the row statistics are kept too, for other cotangents (see _kd_bwd).
@@ -143,7 +144,7 @@ def _kd_bwd(opts: KDOptions, res, g):
     exactly 1 and recomputed from x otherwise (`jax.lax.cond`: one branch runs; the recompute
     costs one more read of x and write of the gradient, and x stays alive until the
     backward), so a loss scale does not flush small fp16 entries."""
-    grad, x, ids, lp, y, stats = res
+    (grad, x, ids, lp, y, stats), g = first_order_only(res, g)
     n = (grad if grad is not None else x).shape[0]
     g = g.astype(jnp.float32)
     cot = g if opts.reduction == "none" else jnp.broadcast_to(g, (n,))
@@ -305,17 +306,21 @@ def kd_loss(
 
     Args:
       student_logits: `[..., V]` float32, bfloat16 or float16.
-      teacher_ids: `[..., K]` integer token ids, `1 <= K <= V`.
+      teacher_ids: `[..., K]` integer token ids, `1 <= K <= V` (more than 65536 entries run
+        on the XLA twin: the Triton kernels' tile limit).
       teacher_logprobs: `[..., K]` float teacher log-probabilities at those ids (any float
         dtype, used in float32). Entries with probability 0 (log-prob -inf) add nothing.
-      mask: `[..., K]` bool or 0/1: which entries count; None = all.
+      mask: `[..., K]` bool or 0/1: which entries count; None = all. An entry counts where
+        `mask != 0`, so a float mask's NaN or 0.5 counts as True.
       temperature: T > 0, a Python float, dividing the student logits.
       normalize: "full" or "topk".
       reduction: "mean" (the sum over tokens divided by the number of tokens with at least
         one counting entry, 0 when there is none, or by `num_items`), "sum" or "none" (float32
         `[...]`).
       num_items: the denominator of "mean" (an int >= 1 or a positive scalar array), e.g. the
-        token count of a whole accumulated batch when this call sees one micro-batch.
+        token count of a whole accumulated batch when this call sees one micro-batch. An int
+        is checked; an array's value cannot be at trace time: 0 gives an inf (or NaN) loss and
+        gradient, a negative one flips their sign.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); teacher ids stay global. Under `jax.jit` the op

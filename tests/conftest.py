@@ -16,7 +16,7 @@ try:  # hypothesis profiles for tests/test_properties.py: JFL_HYPOTHESIS_PROFILE
     from hypothesis import HealthCheck, Phase, settings
 
     _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
-    settings.register_profile("ci", max_examples=4, deadline=None, derandomize=True,
+    settings.register_profile("ci", max_examples=3, deadline=None, derandomize=True,
                               suppress_health_check=_SLOW_OK,
                               phases=[Phase.explicit, Phase.generate])  # no slow shrinking
     settings.register_profile("gpu", max_examples=150, deadline=None, derandomize=True,

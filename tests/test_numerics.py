@@ -481,10 +481,10 @@ def scaled_grad(impl, op, x, ids, lp, y):
 
 @pytest.mark.parametrize("op", ["ce", "distill"])
 def test_fp16_loss_scaling_not_flushed(impl, op, interpreter):
-    """Every implementation; the launch paths differ only in the forward, which writes the
-    same unit gradient, so "split" runs the smaller distill case only."""
-    if impl != "xla" and op == "ce" and _triton_jax.num_sms() > 1:
-        pytest.skip("ce runs on the rows path (interpreter time)")
+    """Every implementation, on the rows path: the launch paths differ only in how the
+    forward writes the same unit gradient, which the recompute does not use."""
+    if _triton_jax.num_sms() > 1:
+        pytest.skip("the rows path only (interpreter time)")
     n, vocab, std = SCALE_SHAPES[op]
     rng = np.random.default_rng(17)
     x = (rng.normal(size=(n, vocab)) * std).astype(np.float16).astype(np.float32)
@@ -557,3 +557,43 @@ def test_more_than_65536_teacher_entries():
         torch_ref.kd_loss(xt, idt, lpt)
     with pytest.raises(ValueError, match="must be at most 65536"):
         torch_ref.distill_loss(xt, torch.zeros(1, dtype=torch.int64), idt, lpt, alpha=0.5)
+
+
+# ----------------------------------------------------------------------------- clear errors
+@pytest.mark.parametrize("impl", ["triton", "xla"])
+def test_second_order_is_a_library_error(impl, interpreter):
+    x, y = jnp.ones((2, 5)), jnp.zeros(2, jnp.int32)
+    ids, lp = jnp.zeros((2, 2), jnp.int32), jnp.zeros((2, 2))
+    for f in (lambda x: jax_fusedloss.cross_entropy(x, y, implementation=impl),
+              lambda x: jax_fusedloss.kd_loss(x, ids, lp, implementation=impl)):
+        assert jax.grad(f)(x).shape == x.shape
+        with pytest.raises(NotImplementedError, match="second-order derivatives"):
+            jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x)
+        with pytest.raises(NotImplementedError, match="second-order derivatives"):
+            jax.hessian(f)(x)
+
+
+LATE_INTERPRET = """
+import os, triton
+os.environ["TRITON_INTERPRET"] = "1"
+import jax.numpy as jnp, jax_fusedloss
+x, y = jnp.ones((2, 5)), jnp.zeros(2, jnp.int32)
+try:
+    jax_fusedloss.cross_entropy(x, y, implementation="triton")
+except NotImplementedError as e:
+    print("RAISED", e)
+print("FALLBACK", float(jax_fusedloss.cross_entropy(x, y)))
+"""
+
+
+def test_interpreter_set_after_triton_import_is_a_clear_error():
+    import subprocess
+    import sys
+
+    from tests.helpers import compiler_env
+
+    out = subprocess.run([sys.executable, "-c", LATE_INTERPRET], capture_output=True, text=True,
+                         env=compiler_env(JAX_PLATFORMS="cpu"), timeout=300)
+    assert "RAISED" in out.stdout and "set after triton was imported" in out.stdout, (
+        out.stdout + out.stderr[-2000:])
+    assert "FALLBACK 1.609" in out.stdout, out.stdout
