@@ -170,9 +170,9 @@ def _ce_fwd(x, y, opts: CEOptions):
     row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
     if opts.implementation == "triton" and not opts.return_lse:
         # The gradient for a unit cotangent is written in the same pass as the loss: one read
-        # of the logits in all. 16-bit logits are kept too, for other cotangents (_ce_bwd).
+        # of the logits in all. float16 logits are kept too, for other cotangents (_ce_bwd).
         loss, lse, coef, grad = _call(opts, "fwd_grad", x, y, row_scale)
-        res = (grad, None, None, None, None) if x.dtype == jnp.float32 else (grad, x, y, lse,
+        res = (grad, None, None, None, None) if x.dtype != jnp.float16 else (grad, x, y, lse,
                                                                               coef)
         return (_reduce(loss, denom, opts), lse), res
     loss, lse, coef = _call(opts, "fwd", x, y, row_scale)
@@ -184,14 +184,16 @@ def _ce_bwd(opts: CEOptions, res, cts):
 
     Without a saved gradient: one pass over x with the cotangent folded into the per-row
     coefficients before the gradient is rounded to the logits' dtype. With one (the fused
-    Triton forward, written for a unit cotangent): float32 rows are rescaled (in place, rows
-    whose cotangent is 1 skipped; a second fp32 rounding, about 1 ulp). For bfloat16/float16
-    a rescale would round twice and flush entries below the dtype's smallest subnormal before
-    a loss scale could save them, so the saved gradient is returned as is when every row's
-    cotangent is exactly 1 (plain `jax.grad(loss)`) and otherwise recomputed from x, which
-    the forward kept for this (one `jax.lax.cond`, so only one branch runs; under `vmap` with
-    batched cotangents both run). Cost of the recompute: one more read of x and write of the
-    gradient; memory: x stays alive until the backward (16-bit logits on the fused path)."""
+    Triton forward, written for a unit cotangent): float32 and bfloat16 rows are rescaled (in
+    place, rows whose cotangent is 1 skipped; a second rounding, at most about 1 ulp; bfloat16
+    has float32's exponent range, so a loss scale flushes nothing, and keeping the logits
+    alive for a recompute would cost the N*V memory the fused path exists to save). For
+    float16 a rescale would flush entries below its smallest subnormal before a loss scale
+    could save them, so the saved gradient is returned as is when every row's cotangent is
+    exactly 1 (plain `jax.grad(loss)`) and otherwise recomputed from x, which the forward kept
+    for this (one `jax.lax.cond`, so only one branch runs; under `vmap` with batched
+    cotangents both run). Cost of the recompute: one more read of x and write of the
+    gradient; memory: float16 logits stay alive until the backward on the fused path."""
     (grad, x, y, lse, coef), (g_loss, g_lse) = first_order_only(res, cts)
     n = (grad if grad is not None else x).shape[0]
     cot = _row_cotangent(g_loss, n, opts)
@@ -240,9 +242,10 @@ def cross_entropy(
     The logits are read once per pass with an online softmax (Milakov & Gimelshein, 2018).
     Under differentiation the Triton forward also writes the gradient for a unit cotangent, so
     forward + backward reads the logits once and writes their gradient once. For any other
-    cotangent (a loss scale, per-token weights) float32 rows are rescaled, and 16-bit logits'
-    gradients are recomputed with the cotangent applied before rounding (one more read of the
-    logits), so they are as accurate as float32 math rounded once.
+    cotangent (a loss scale, per-token weights) float32 and bfloat16 rows are rescaled (one
+    more rounding; bfloat16's exponent range flushes nothing under a loss scale), and float16
+    logits' gradients are recomputed with the cotangent applied before rounding (one more read
+    of the logits), so no fp16 entry is flushed before a loss scale can save it.
 
     Args:
       logits: `[..., V]` float32, bfloat16 or float16.

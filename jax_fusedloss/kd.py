@@ -127,10 +127,10 @@ def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
 def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
     x, row_scale = first_order_only(x, row_scale)  # differentiated only for a second order
     if opts.implementation == "triton":
-        # One read of the logits for loss and gradient (for a unit cotangent); 16-bit logits
+        # One read of the logits for loss and gradient (for a unit cotangent); float16 logits
         # and the row statistics are kept too, for other cotangents (see _kd_bwd).
         loss, stats, grad = _call(opts, "fwd_grad", x, ids, lp, y, row_scale)
-        if x.dtype == jnp.float32:
+        if x.dtype != jnp.float16:
             return _reduce(loss, opts), (grad, None, None, None, None, None)
         return _reduce(loss, opts), (grad, x, ids, lp, y, stats)
     loss, stats = _call(opts, "fwd", x, ids, lp, y, row_scale)
@@ -139,8 +139,9 @@ def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
 
 def _kd_bwd(opts: KDOptions, res, g):
     """As cross_entropy's backward: without a saved gradient, one pass over x with the
-    cotangent folded into the row weights (stats[:, 3:5]) before rounding; a saved float32
-    gradient is rescaled; a saved 16-bit one is returned as is when every row's cotangent is
+    cotangent folded into the row weights (stats[:, 3:5]) before rounding; a saved float32 or
+    bfloat16 gradient is rescaled; a saved float16 one is returned as is when every row's
+    cotangent is
     exactly 1 and recomputed from x otherwise (`jax.lax.cond`: one branch runs; the recompute
     costs one more read of x and write of the gradient, and x stays alive until the
     backward), so a loss scale does not flush small fp16 entries."""
@@ -296,8 +297,8 @@ def kd_loss(
 
     Under differentiation the Triton forward writes the gradient for a unit cotangent in the
     same pass: forward + backward read the logits once and write their gradient once. Other
-    cotangents (a loss scale, weights) rescale float32 gradients and recompute 16-bit ones
-    with the cotangent applied before rounding (one more read of the logits).
+    cotangents (a loss scale, weights) rescale float32 and bfloat16 gradients and recompute
+    float16 ones with the cotangent applied before rounding (one more read of the logits).
 
     Repeated ids: every entry is its own term (the sums above run over entries, not distinct
     ids), so an id listed twice counts twice in KL and, for "topk", twice in L; its gradient

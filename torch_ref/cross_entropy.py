@@ -63,9 +63,9 @@ class _CrossEntropy(torch.autograd.Function):
                                      write_grad)
         ctx.reduction, ctx.softcap = reduction, softcap
         ctx.shape = logits.shape
-        if write_grad and x.dtype == torch.float32:
+        if write_grad and x.dtype != torch.float16:
             ctx.save_for_backward(grad.view(logits.shape))  # returned as is: see backward
-        elif write_grad:  # 16-bit: x and the row statistics too, for cotangents other than 1
+        elif write_grad:  # float16: x and the row statistics too, for cotangents other than 1
             ctx.save_for_backward(grad.view(logits.shape), x, y, lse, coef)
         else:
             ctx.save_for_backward(x, y, lse, coef)
@@ -74,7 +74,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
-        """The saved unit-cotangent gradient: rescaled for float32 logits; for 16-bit ones
+        """The saved unit-cotangent gradient: rescaled for float32/bfloat16 logits; for float16
         returned as is when the cotangent is exactly 1 and otherwise recomputed from the saved
         logits with the cotangent folded into the row coefficients before rounding (a rescale
         would round twice and flush small fp16 entries before a loss scale could save them;

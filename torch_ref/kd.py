@@ -29,7 +29,7 @@ class _KD(torch.autograd.Function):
                            ignore_index, write_grad)
         ctx.reduction, ctx.shape = reduction, logits.shape
         ctx.options = (temperature, normalize, distill, ignore_index)
-        if grad is not None and x.dtype != torch.float32:  # see backward
+        if grad is not None and x.dtype == torch.float16:  # see backward
             ctx.save_for_backward(grad.view(logits.shape), x, ids, lp, y, row_scale)
         else:
             ctx.save_for_backward(None if grad is None else grad.view(logits.shape))
@@ -38,8 +38,8 @@ class _KD(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         """The forward wrote the gradient for a unit cotangent (the saved tensor is never
-        changed, so a retained graph can run backward again). float32: rescaled. 16-bit:
-        returned as is for a cotangent of exactly 1, else recomputed from the saved logits with
+        changed, so a retained graph can run backward again). float32/bfloat16: rescaled.
+        float16: returned as is for a cotangent of exactly 1, else recomputed from the logits with
         the cotangent folded into the row weights before rounding (one more pass over them),
         so a loss scale does not flush small fp16 entries."""
         no_double_backward("kd_loss / distill_loss")
