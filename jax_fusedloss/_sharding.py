@@ -193,30 +193,10 @@ def call_rows(fns: RowFns, fallback: RowFns | None, x, *rows, vocab_axis=None):
 
 
 def rowwise(fn: Callable[..., tuple[jax.Array, ...]]) -> Callable[..., tuple[jax.Array, ...]]:
-    """Makes `fn(*arrays)`, whose arrays and outputs all lead with one row axis, vmappable by
-    folding the batch axis into rows (jax-triton and custom_partitioning have no batching
-    rule). A size-0 batch gives empty outputs without calling `fn`."""
-    wrapped = jax.custom_batching.custom_vmap(fn)
+    """`_triton_jax.rowwise`: custom_partitioning has no batching rule either."""
+    from jax_fusedloss import _triton_jax
 
-    @wrapped.def_vmap
-    def _rule(axis_size, in_batched, *args):
-        one = [jax.ShapeDtypeStruct(a.shape[1:] if b else a.shape, a.dtype)
-               for a, b in zip(args, in_batched)]
-        rows = one[0].shape[0]
-        if axis_size * rows == 0:  # nothing to launch (a size-0 batch, or no rows)
-            outs = jax.eval_shape(fn, *one)
-            return (tuple(jax.numpy.zeros((axis_size,) + o.shape, o.dtype) for o in outs),
-                    tuple(True for _ in outs))
-        flat = []
-        for a, batched in zip(args, in_batched):
-            if not batched:
-                a = jax.numpy.broadcast_to(a, (axis_size,) + a.shape)
-            flat.append(a.reshape((axis_size * a.shape[1],) + a.shape[2:]))
-        outs = wrapped(*flat)
-        outs = tuple(o.reshape((axis_size, rows) + o.shape[1:]) for o in outs)
-        return outs, tuple(True for _ in outs)
-
-    return wrapped
+    return _triton_jax.rowwise(fn)
 
 
 def slice_offset(vocab_local: int, axes: tuple[str, ...]):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from jax_fusedloss import _common, _sharding, _triton_jax
 from jax_fusedloss._xla import reductions as _xla_red
+from jax_fusedloss.cross_entropy import first_order_only
 
 
 class RedOptions(NamedTuple):
@@ -134,11 +135,13 @@ def _rows(x, y, opts: RedOptions):
 
 
 def _rows_fwd(x, y, opts: RedOptions):
+    x = first_order_only(x)[0]  # the forward is differentiated only for a second order
     lse, ent, logp = _rows(x, y, opts)
     return (lse, ent, logp), _Residuals(x, y, lse, ent)
 
 
 def _rows_bwd(opts: RedOptions, res: _Residuals, cts):
+    res, cts = first_order_only(res, cts)
     zeros = jnp.zeros_like(res.lse)  # keeps the rows' sharding (Explicit mesh axes)
     cot = jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
     has_label = res.y is not None

@@ -597,3 +597,11 @@ def test_interpreter_set_after_triton_import_is_a_clear_error():
     assert "RAISED" in out.stdout and "set after triton was imported" in out.stdout, (
         out.stdout + out.stderr[-2000:])
     assert "FALLBACK 1.609" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_reductions_second_order_is_a_library_error(impl, interpreter):
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 30)), jnp.float32)
+    with pytest.raises(NotImplementedError, match="second-order"):
+        jax.grad(lambda x: jax.grad(
+            lambda x: jax_fusedloss.logsumexp(x, implementation=impl).sum())(x).sum())(x)
