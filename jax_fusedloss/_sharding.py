@@ -88,7 +88,6 @@ def _rule(n_rows_in: Sequence[int], out_ndims: Sequence[tuple[str, int]]) -> str
     return ", ".join(ins) + " -> " + ", ".join(outs)
 
 
-@functools.lru_cache(maxsize=256)
 def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
                 out_ndims: tuple[int, ...]) -> Callable:
     """The custom-partitioned form of `fns.local` for row arrays of `in_ndims` dimensions.

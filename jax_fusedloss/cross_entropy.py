@@ -68,7 +68,8 @@ def _triton_slice_stats(x, y, opts: CEOptions):
 
 # ----------------------------------------------------------------------------- row functions
 def _vp_fwd(slice_stats, x, y, row_scale, opts: CEOptions, axes):
-    """Vocabulary-parallel forward: slice statistics, one O(N) all-gather, the row finish."""
+    """Vocabulary-parallel forward: slice statistics merged across `axes` with O(N)
+    all-reduces, then the row finish."""
     m, s, sumz, zy = slice_stats(x, y - _sharding.slice_offset(x.shape[1], axes), opts)
     m, s, _, sumz, zy = _sharding.merge_across(axes, m, s, sums=(sumz, zy))
     lse = _xla_chunks.lse_from_stats(m, s)
@@ -82,10 +83,9 @@ def _row_fns(opts: CEOptions, impl: str) -> dict[str, _sharding.RowFns]:
     gradient by per-row cotangents), each with its vocabulary-parallel form."""
     if impl == "triton":
         stats, fwd = _triton_slice_stats, functools.partial(_triton_rows_fwd, write_grad=False)
-        bwd, scale = _triton_rows_bwd, scale_rows
+        bwd = _triton_rows_bwd
     else:
         stats, fwd, bwd = _xla_ce.slice_stats, _xla_ce.rows_fwd, _xla_ce.rows_bwd
-        scale = _xla_scale_rows
 
     def bwd_vp(x, y, lse, coef, axes):
         return (bwd(x, y - _sharding.slice_offset(x.shape[1], axes), lse, coef, opts),)
@@ -106,13 +106,19 @@ def _row_fns(opts: CEOptions, impl: str) -> dict[str, _sharding.RowFns]:
                              functools.partial(_vp_fwd, stats, opts=opts), (R, R, R)),
         fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, R, X)),
         bwd=_sharding.RowFns(lambda x, y, lse, coef: (bwd(x, y, lse, coef, opts),), bwd_vp, (X,)),
-        scale=_sharding.RowFns(lambda g, c: (scale(g, c),),
-                               lambda g, c, axes: (scale(g, c),), (X,)),
+        scale=scale_row_fns(impl),
     )
 
 
-def _xla_scale_rows(grad, cot):
-    return (grad.astype(jnp.float32) * cot[:, None]).astype(grad.dtype)
+def scale_row_fns(impl: str) -> _sharding.RowFns:
+    """(grad, cot) -> grad * cot[:, None]: a saved unit-cotangent gradient rescaled per row
+    (each vocabulary slice alike), for every op that writes its gradient in the forward."""
+    def scale(grad, cot):
+        if impl == "triton":
+            return (scale_rows(grad, cot),)
+        return ((grad.astype(jnp.float32) * cot[:, None]).astype(grad.dtype),)
+
+    return _sharding.RowFns(scale, lambda g, c, axes: scale(g, c), (_sharding.LIKE_X,))
 
 
 def _call(opts: CEOptions, role: str, *arrays):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax_fusedloss import _common, _sharding, _triton_jax
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
-from jax_fusedloss.cross_entropy import first_order_only, scale_rows
+from jax_fusedloss.cross_entropy import first_order_only, scale_row_fns
 
 NORMALIZATIONS = ("full", "topk")
 
@@ -94,18 +94,13 @@ def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
         loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
         return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
 
-    def scale(g, cot):
-        if impl == "triton":
-            return (scale_rows(g, cot),)
-        return ((g.astype(jnp.float32) * cot[:, None]).astype(g.dtype),)
-
     R, X = _sharding.ROW, _sharding.LIKE_X
     return dict(
         fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
         fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
         bwd=_sharding.RowFns(lambda x, ids, lp, y, st: (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),),
                              bwd_vp, (X,)),
-        scale=_sharding.RowFns(scale, lambda g, c, axes: scale(g, c), (X,)),
+        scale=scale_row_fns(impl),
     )
 
 
