@@ -2,42 +2,33 @@
 from __future__ import annotations
 
 import math
-import operator
 from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _triton_jax
+from jax_fusedloss import _triton_jax, _validate
+from jax_fusedloss._validate import (INT32_MAX, INT32_MIN, REDUCTIONS,  # noqa: F401 (re-exported)
+                                     check_bool, check_choice)
 
 IMPLEMENTATIONS = ("triton", "xla")
-REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def check_logits(x, name: str = "logits") -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if x.ndim < 1:
-        raise ValueError(f"{name}.shape={x.shape} must have at least one axis [..., V]")
-    if x.shape[-1] < 1:
-        raise ValueError(f"{name}.shape={x.shape}: the vocabulary axis must not be empty")
+    _validate.check_rows_shape(tuple(x.shape), name)
     if x.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
-        raise TypeError(f"{name}.dtype={x.dtype} must be one of float32, bfloat16, float16")
+        raise _validate.float_dtype_error(name, x.dtype)
 
 
 def check_int_array(x, name: str, shape: tuple[int, ...], expected: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name}.dtype={x.dtype} must be an integer type")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must equal {expected}={tuple(shape)}")
-
-
-def check_choice(value, name: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {choices}")
+        raise _validate.integer_dtype_error(name, x.dtype)
+    _validate.check_shape_equal(name, tuple(x.shape), expected, tuple(shape))
 
 
 def check_implementation(implementation) -> None:
@@ -93,58 +84,29 @@ def check_axis_name(axis):
     raise TypeError(f"vocab_axis={axis!r} must be None, a mesh axis name or a tuple of names")
 
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def _interval(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
-    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+def _reject_traced(value, name: str, kind: str) -> None:
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a static Python {kind}, got a traced value "
+                        f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
+                        f"{kind if kind == 'int' else 'float'} or mark it static, e.g. "
+                        f"jax.jit(..., static_argnames=...)")
 
 
 def check_static_float(value, name: str, *, lo: float = -math.inf, hi: float = math.inf,
                        lo_open: bool = False, hi_open: bool = False) -> float:
-    """`value` as a Python float, checked to lie in the interval from lo to hi (open at either
-    end as asked; an infinite end is always open). Raises TypeError naming `name` for a traced
-    value (options shape the kernels at trace time: pass a Python number, or mark the argument
-    static under jit), a bool or a non-number, and ValueError for NaN or a value outside the
-    interval."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{name} must be a static Python number, got a traced value "
-                        f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
-                        f"float or mark it static, e.g. jax.jit(..., static_argnames=...)")
-    if isinstance(value, (bool, str, bytes)):
-        raise TypeError(f"{name}={value!r} must be a number")
-    try:
-        f = float(value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{name}={value!r} must be a Python number") from e
-    lo_open = lo_open or lo == -math.inf
-    hi_open = hi_open or hi == math.inf
-    ok = (f > lo if lo_open else f >= lo) and (f < hi if hi_open else f <= hi)
-    if not ok:  # NaN fails every comparison
-        raise ValueError(f"{name}={value!r} must lie in "
-                         f"{_interval(lo, hi, lo_open, hi_open)}")
-    return f
+    """`value` as a Python float in the interval from lo to hi (`_validate.check_float`: open
+    at either end as asked, NaN rejected). TypeError naming `name` for a traced value too
+    (options shape the kernels at trace time: pass a Python number, or mark the argument
+    static under jit)."""
+    _reject_traced(value, name, "number")
+    return _validate.check_float(value, name, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
 
 
 def check_static_int(value, name: str, *, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
-    """`value` as a Python int in [lo, hi] (by default int32's range, which the kernels compare
-    labels in). TypeError naming `name` for a traced value, a bool or a non-integer; ValueError
-    outside the range."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{name} must be a static Python int, got a traced value "
-                        f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
-                        f"int or mark it static, e.g. jax.jit(..., static_argnames=...)")
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int, not a bool")
-    try:
-        i = operator.index(value)
-    except TypeError as e:
-        raise TypeError(f"{name}={value!r} must be an integer") from e
-    if not lo <= i <= hi:
-        what = " (int32, as the kernels compare labels)" if (lo, hi) == (INT32_MIN,
-                                                                       INT32_MAX) else ""
-        raise ValueError(f"{name}={i} must lie in [{lo}, {hi}]{what}")
-    return i
+    """`value` as a Python int in [lo, hi] (`_validate.check_int`: by default int32's range,
+    which the kernels compare labels in); TypeError naming `name` for a traced value too."""
+    _reject_traced(value, name, "int")
+    return _validate.check_int(value, name, lo=lo, hi=hi)
 
 
 def labels_to_int32(labels: jax.Array, ignore_index: int | None, vocab: int) -> jax.Array:

@@ -11,12 +11,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss import _common, _sharding, _triton_jax, _validate
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss.cross_entropy import first_order_only, scale_row_fns
 
-NORMALIZATIONS = ("full", "topk")
+NORMALIZATIONS = _validate.NORMALIZATIONS
 
 
 class KDOptions(NamedTuple):
@@ -190,23 +190,11 @@ def check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
         if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
             raise TypeError(f"{name} must be an array, got {type(a).__name__}")
     if not jnp.issubdtype(teacher_ids.dtype, jnp.integer):
-        raise TypeError(f"teacher_ids.dtype={teacher_ids.dtype} must be an integer type")
-    lead, vocab = student_logits.shape[:-1], student_logits.shape[-1]
-    if teacher_ids.ndim != student_logits.ndim or teacher_ids.shape[:-1] != lead:
-        raise ValueError(f"teacher_ids.shape={teacher_ids.shape} must be [..., K] with [...] "
-                         f"equal to student_logits.shape[:-1]={lead}")
-    k = teacher_ids.shape[-1]
-    if not 1 <= k <= vocab:
-        raise ValueError(f"teacher_ids.shape[-1]={k} (K) must lie in [1, V] with "
-                         f"V=student_logits.shape[-1]={vocab}")
+        raise _validate.integer_dtype_error("teacher_ids", teacher_ids.dtype)
+    _validate.check_teacher_shapes(student_logits.shape, teacher_ids.shape,
+                                   teacher_logprobs.shape, None if mask is None else mask.shape)
     if not jnp.issubdtype(teacher_logprobs.dtype, jnp.floating):
         raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
-    if teacher_logprobs.shape != teacher_ids.shape:
-        raise ValueError(f"teacher_logprobs.shape={teacher_logprobs.shape} must equal "
-                         f"teacher_ids.shape={teacher_ids.shape}")
-    if mask is not None and mask.shape != teacher_ids.shape:
-        raise ValueError(f"mask.shape={mask.shape} must equal teacher_ids.shape="
-                         f"{teacher_ids.shape}")
 
 
 def check_options(temperature, normalize, reduction, num_items, implementation) -> float:
@@ -215,19 +203,8 @@ def check_options(temperature, normalize, reduction, num_items, implementation) 
     _common.check_choice(normalize, "normalize", NORMALIZATIONS)
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)
-    if num_items is None:
-        return t
-    if reduction != "mean":
-        raise ValueError(f"num_items applies to reduction='mean' only, got "
-                         f"reduction={reduction!r}")
-    if isinstance(num_items, bool) or not (isinstance(num_items, int) or hasattr(num_items,
-                                                                                 "shape")):
-        raise TypeError(f"num_items must be an int or a scalar array, got "
-                        f"{type(num_items).__name__}")
-    if isinstance(num_items, int):
-        _common.check_static_int(num_items, "num_items", lo=1)
-    if hasattr(num_items, "shape") and jnp.shape(num_items) != ():
-        raise ValueError(f"num_items.shape={jnp.shape(num_items)} must be () (a scalar)")
+    if _validate.check_num_items(num_items, reduction):
+        _validate.check_scalar_shape(jnp.shape(num_items), "num_items")
     return t
 
 

@@ -286,8 +286,7 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       >>> tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 1000)
       >>> logp, h = token_logprobs(logits, tokens, return_entropy=True)
     """
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"return_entropy={return_entropy!r} must be a bool")
+    _common.check_bool(return_entropy, "return_entropy")
     if labels is None:
         raise TypeError("labels must be an integer array `[...]`, got None")
     _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation,

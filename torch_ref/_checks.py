@@ -1,63 +1,23 @@
-"""Validation shared by torch_ref's functions: the same rules and messages as the JAX API's
-(jax_fusedloss/_common.py), without importing JAX."""
+"""Validation shared by torch_ref's functions: the rules and messages of
+jax_fusedloss/_validate.py (which the JAX API uses too, and which imports no framework) plus
+the checks that need torch (tensor types, dtypes, devices)."""
 from __future__ import annotations
-
-import math
-import operator
 
 import torch
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-REDUCTIONS = ("mean", "sum", "none")
+from jax_fusedloss import _validate
+from jax_fusedloss._validate import (INT32_MAX, INT32_MIN, REDUCTIONS,  # noqa: F401 (re-exported)
+                                     check_bool, check_choice, check_float, check_int)
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def check_float(value, name: str, *, lo: float = -math.inf, hi: float = math.inf,
-                lo_open: bool = False, hi_open: bool = False) -> float:
-    """`value` (a Python number or a one-element tensor) as a float in the interval from lo to
-    hi, open at either end as asked (an infinite end is always open); NaN is rejected."""
-    if isinstance(value, (bool, str, bytes)) or value is None:
-        raise TypeError(f"{name}={value!r} must be a number")
-    try:
-        f = float(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise TypeError(f"{name}={value!r} must be a Python number") from e
-    lo_open = lo_open or lo == -math.inf
-    hi_open = hi_open or hi == math.inf
-    if not ((f > lo if lo_open else f >= lo) and (f < hi if hi_open else f <= hi)):
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ValueError(f"{name}={value!r} must lie in {interval}")
-    return f
-
-
-def check_int(value, name: str, *, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
-    """`value` as an int in [lo, hi] (by default int32's range, which the kernels compare
-    labels in)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}={value!r} must be an int, not a bool")
-    try:
-        i = operator.index(value)
-    except TypeError as e:
-        raise TypeError(f"{name}={value!r} must be an integer") from e
-    if not lo <= i <= hi:
-        raise ValueError(f"{name}={i} must lie in [{lo}, {hi}]")
-    return i
-
-
-def check_choice(value, name: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {choices}")
 
 
 def check_logits(x, name: str = "logits") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 1:
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must have at least one axis [..., V]")
-    if x.shape[-1] < 1:
-        raise ValueError(f"{name}.shape={tuple(x.shape)}: the vocabulary axis must not be empty")
+    _validate.check_rows_shape(tuple(x.shape), name)
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name}.dtype={x.dtype} must be one of float32, bfloat16, float16")
+        raise _validate.float_dtype_error(name, x.dtype)
 
 
 def is_integer_dtype(dtype: torch.dtype) -> bool:
@@ -68,9 +28,8 @@ def check_int_tensor(x, name: str, shape, expected: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
     if not is_integer_dtype(x.dtype):
-        raise TypeError(f"{name}.dtype={x.dtype} must be an integer type")
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must equal {expected}={tuple(shape)}")
+        raise _validate.integer_dtype_error(name, x.dtype)
+    _validate.check_shape_equal(name, tuple(x.shape), expected, tuple(shape))
 
 
 def check_same_device(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: str) -> None:
@@ -80,22 +39,15 @@ def check_same_device(name: str, x: torch.Tensor, ref: torch.Tensor, ref_name: s
 
 def check_num_items(num_items, reduction: str):
     """None, an int >= 1 or a one-element tensor (positive, checked where it is on the CPU)."""
-    if num_items is None:
-        return None
-    if reduction != "mean":
-        raise ValueError(f"num_items applies to reduction='mean' only, got "
-                         f"reduction={reduction!r}")
-    if isinstance(num_items, torch.Tensor):
-        if num_items.numel() != 1:
-            raise ValueError(f"num_items.shape={tuple(num_items.shape)} must be () (a scalar)")
-        if num_items.device.type == "cpu" and not float(num_items) >= 1:
-            raise ValueError(f"num_items={float(num_items)} must be >= 1")
+    if not _validate.check_num_items(num_items, reduction):
         return num_items
-    if isinstance(num_items, bool) or not isinstance(num_items, int):
+    if not isinstance(num_items, torch.Tensor):
         raise TypeError(f"num_items must be an int or a scalar tensor, got "
                         f"{type(num_items).__name__}")
-    if num_items < 1:
-        raise ValueError(f"num_items={num_items} must be >= 1")
+    if num_items.numel() != 1:
+        _validate.check_scalar_shape(tuple(num_items.shape), "num_items")
+    if num_items.device.type == "cpu" and not float(num_items) >= 1:
+        raise ValueError(f"num_items={float(num_items)} must be >= 1")
     return num_items
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from jax_fusedloss import _validate
 from jax_fusedloss.kernels import kd as k
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
@@ -68,27 +69,12 @@ def _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
         if a is not None:
             _checks.check_same_device(name, a, student_logits, "student_logits")
     if not _checks.is_integer_dtype(teacher_ids.dtype):
-        raise TypeError(f"teacher_ids.dtype={teacher_ids.dtype} must be an integer type")
-    lead, vocab = tuple(student_logits.shape[:-1]), student_logits.shape[-1]
-    if teacher_ids.dim() != student_logits.dim() or tuple(teacher_ids.shape[:-1]) != lead:
-        raise ValueError(f"teacher_ids.shape={tuple(teacher_ids.shape)} must be [..., K] with "
-                         f"[...] equal to student_logits.shape[:-1]={lead}")
-    n_k = teacher_ids.shape[-1]
-    if not 1 <= n_k <= vocab:
-        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must lie in [1, V] with "
-                         f"V=student_logits.shape[-1]={vocab}")
-    if n_k > MAX_K:
-        raise ValueError(f"teacher_ids.shape[-1]={n_k} (K) must be at most {MAX_K}: the kernels "
-                         f"hold a row's teacher entries in one tile (Triton's 2**20-element "
-                         f"limit); jax_fusedloss.kd_loss runs larger K on its XLA twin")
+        raise _validate.integer_dtype_error("teacher_ids", teacher_ids.dtype)
+    _validate.check_teacher_shapes(tuple(student_logits.shape), tuple(teacher_ids.shape),
+                                   tuple(teacher_logprobs.shape),
+                                   None if mask is None else tuple(mask.shape), max_k=MAX_K)
     if not teacher_logprobs.dtype.is_floating_point:
         raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
-    if teacher_logprobs.shape != teacher_ids.shape:
-        raise ValueError(f"teacher_logprobs.shape={tuple(teacher_logprobs.shape)} must equal "
-                         f"teacher_ids.shape={tuple(teacher_ids.shape)}")
-    if mask is not None and mask.shape != teacher_ids.shape:
-        raise ValueError(f"mask.shape={tuple(mask.shape)} must equal teacher_ids.shape="
-                         f"{tuple(teacher_ids.shape)}")
 
 
 def _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
@@ -110,7 +96,7 @@ def _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active=None):
 def _check(temperature, normalize, reduction, num_items) -> float:
     """The options shared by kd_loss and distill_loss, as jax_fusedloss.kd.check_options."""
     t = _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
-    _checks.check_choice(normalize, "normalize", ("full", "topk"))
+    _checks.check_choice(normalize, "normalize", _validate.NORMALIZATIONS)
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
     _checks.check_num_items(num_items, reduction)
     return t

@@ -81,7 +81,8 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     _checks.check_logits(logits)
     _checks.check_int_tensor(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _checks.check_same_device("labels", labels, logits, "logits")
-    _, ent, logp = _apply(logits, labels, temperature, bool(return_entropy))
+    _checks.check_bool(return_entropy, "return_entropy")
+    _, ent, logp = _apply(logits, labels, temperature, return_entropy)
     return (logp, ent) if return_entropy else logp
 
 
