@@ -17,19 +17,29 @@ import jax.numpy as jnp
 from jax_fusedloss._sharding import match_varying
 
 CHUNK = 4096  # columns per step: [N, 4096] float32 temporaries at most
+# ... unless a whole row's float32 temporaries for all N rows fit in this: then one chunk is
+# the whole row. A walk over 32 chunks of a few rows is launch-bound (H100, bf16, V=128256, in
+# one jitted program: logsumexp N=1 328 us per call chunked vs 12 us for one chunk, which is
+# jax.nn.logsumexp; benchmarks/results/fewrows_h100.csv).
+FULL_ROW_BYTES = 64 << 20
 # CPU, 16-bit logits: rows per block so a block's float32 copy is about this size (a [65,
 # 32000] block; measured as fast as 16 or 256 rows on a 2-core EPYC, benchmarks/cpu.py).
 ROW_BLOCK_BYTES = 8 << 20
 
 
+# Tests set this to walk vocabulary chunks on CPU too (the GPU and TPU walk).
+CHUNKED_ON_CPU = False
+
+
 def whole_rows() -> bool:
     """Whether the twins take a whole row as one chunk (CPU): decided at trace time."""
-    return jax.default_backend() == "cpu"
+    return jax.default_backend() == "cpu" and not CHUNKED_ON_CPU
 
 
-def chunk_layout(vocab: int) -> tuple[int, int]:
-    """(chunk width, number of chunks). The last chunk is shifted left to stay in bounds."""
-    width = min(vocab, CHUNK)
+def chunk_layout(vocab: int, n: int) -> tuple[int, int]:
+    """(chunk width, number of chunks) for `[n, vocab]`: whole rows when their float32 copy fits
+    FULL_ROW_BYTES, else CHUNK columns. The last chunk is shifted left to stay in bounds."""
+    width = vocab if n * vocab * 4 <= FULL_ROW_BYTES else min(vocab, CHUNK)
     return width, -(-vocab // width)
 
 
@@ -89,7 +99,7 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
             return online_step(stats_init(xb.shape[0], 4), z, z)
 
         return row_blocks(x, rows, 4, whole=softcap is None and inv_temp == 1.0)
-    width, count = chunk_layout(vocab)
+    width, count = chunk_layout(vocab, n)
 
     def body(i, carry):
         start, owned = chunk_start(i, vocab, width)
@@ -151,7 +161,7 @@ def write_chunks(x: jax.Array, out_dtype, chunk_grad: Callable) -> jax.Array:
     n, vocab = x.shape
     if whole_rows():
         return chunk_grad(jnp.arange(vocab), x).astype(out_dtype)
-    width, count = chunk_layout(vocab)
+    width, count = chunk_layout(vocab, n)
 
     def body(i, out):
         start, _ = chunk_start(i, vocab, width)

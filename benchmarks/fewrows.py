@@ -1,0 +1,160 @@
+"""Few-row calls as a JAX user gets them: many calls inside one jitted program.
+
+At N <= 64 rows a call's GPU kernels take a few microseconds (CUPTI, `benchmarks.kernel_time`),
+but what a JAX user pays is the program's time per call, launch gaps included. This tool jits
+one program that applies an op to `--calls` different `[N, V]` inputs (no common
+subexpressions) and reports device time per call = wall time of the whole program / calls
+(the program runs for a millisecond or more, so the host's dispatch of it is negligible), for
+our implementations and XLA's own formula, under several XLA flag sets (each in its own
+process: XLA reads XLA_FLAGS once):
+
+    source .whl/gpu-env.sh && python3 -m benchmarks.fewrows --out $OUT/fewrows
+
+Variants: "default" (XLA's defaults: consecutive XLA kernels run as one CUDA graph, a
+command buffer, and a custom call such as jax-triton's ends a graph) and "nocmdbuf" (command
+buffers off: every kernel launched on its own). The row "triton-rowpath" forces one program per
+row (a single launch, no split + merge) to show what the second launch costs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {"default": "", "nocmdbuf": "--xla_gpu_enable_command_buffer="}
+FIELDS = ["date", "device", "commit", "versions", "variant", "op", "n", "v", "dtype", "impl",
+          "us_per_call", "p20_us", "p80_us", "calls"]
+
+
+def _ops():
+    import jax
+    import jax.numpy as jnp
+
+    import jax_fusedloss as jfl
+
+    def xla_lse(x, y):
+        return jax.nn.logsumexp(x.astype(jnp.float32), axis=-1)
+
+    def xla_logp(x, y):
+        z = jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+        return jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0]
+
+    def xla_ce(x, y):
+        return jnp.mean(-xla_logp(x, y))
+
+    return {
+        "logsumexp": (lambda impl: lambda x, y: jfl.logsumexp(x, implementation=impl), xla_lse),
+        "token_logprobs": (lambda impl: lambda x, y: jfl.token_logprobs(x, y,
+                                                                       implementation=impl),
+                           xla_logp),
+        "cross_entropy": (lambda impl: lambda x, y: jfl.cross_entropy(x, y, implementation=impl),
+                          xla_ce),
+    }
+
+
+def _time_program(fn, xs, ys, reps: int) -> list[float]:
+    import jax
+
+    f = jax.jit(lambda xs, ys: [fn(xs[i], ys[i]) for i in range(xs.shape[0])])
+    jax.block_until_ready(f(xs, ys))
+    for _ in range(3):
+        jax.block_until_ready(f(xs, ys))
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(xs, ys))
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from jax_fusedloss.kernels import launch
+
+    rows = []
+    for op, (ours, xla_formula) in _ops().items():
+        if op not in ops:
+            continue
+        for n in ns:
+            xs = jax.random.normal(jax.random.key(n), (calls, n, vocab), jnp.bfloat16)
+            ys = jax.random.randint(jax.random.key(n + 1), (calls, n), 0, vocab)
+            impls = [("triton", ours("triton")), ("xla-twin", ours("xla")),
+                     ("xla-formula", xla_formula), ("triton-rowpath", ours("triton"))]
+            for impl, fn in impls:
+                saved = launch.PROGRAMS_PER_SM
+                if impl == "triton-rowpath":
+                    launch.PROGRAMS_PER_SM = 0  # every N takes the one-program-per-row path
+                try:
+                    samples = _time_program(fn, xs, ys, reps)
+                finally:
+                    launch.PROGRAMS_PER_SM = saved
+                per_call = sorted(s / calls * 1e6 for s in samples)
+                q = statistics.quantiles(per_call, n=5)
+                rows.append(dict(variant=variant, op=op, n=n, v=vocab, dtype="bf16", impl=impl,
+                                 us_per_call=round(statistics.median(per_call), 2),
+                                 p20_us=round(q[0], 2), p80_us=round(q[-1], 2), calls=calls))
+                print(f"[{variant:8s}] {op:15s} n={n:<3d} {impl:15s} "
+                      f"{statistics.median(per_call):7.2f} us/call", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="folder for fewrows.csv")
+    p.add_argument("--ns", default="1,8,64")
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--calls", type=int, default=64)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--ops", default="logsumexp,token_logprobs,cross_entropy")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    ns = [int(n) for n in args.ns.split(",")]
+    ops = args.ops.split(",")
+    if args.worker:
+        rows = worker(args.worker, ns, args.vocab, args.calls, args.reps, ops)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+    from benchmarks import record
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for variant in args.variants.split(","):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[variant]).strip()
+        cmd = [sys.executable, "-m", "benchmarks.fewrows", "--out", args.out, "--ns", args.ns,
+               "--vocab", str(args.vocab), "--calls", str(args.calls), "--reps",
+               str(args.reps), "--ops", args.ops, "--worker", variant]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines()
+                                 if not line.startswith("ROWS ")))
+        if res.returncode:
+            sys.stdout.write(res.stderr[-4000:])
+            continue
+        for line in res.stdout.splitlines():
+            if line.startswith("ROWS "):
+                rows += json.loads(line[5:])
+    import jax
+
+    meta = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind,
+                commit=record.commit(), versions=record.versions())
+    with open(out / "fewrows.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({**meta, **r})
+    print(f"wrote {out / 'fewrows.csv'} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
