@@ -36,10 +36,10 @@ def whole_rows() -> bool:
     return jax.default_backend() == "cpu" and not CHUNKED_ON_CPU
 
 
-def chunk_layout(vocab: int, n: int) -> tuple[int, int]:
+def chunk_layout(vocab: int, n: int | None = None) -> tuple[int, int]:
     """(chunk width, number of chunks) for `[n, vocab]`: whole rows when their float32 copy fits
     FULL_ROW_BYTES, else CHUNK columns. The last chunk is shifted left to stay in bounds."""
-    width = vocab if n * vocab * 4 <= FULL_ROW_BYTES else min(vocab, CHUNK)
+    width = vocab if n is not None and n * vocab * 4 <= FULL_ROW_BYTES else min(vocab, CHUNK)
     return width, -(-vocab // width)
 
 
