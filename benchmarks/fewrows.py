@@ -11,8 +11,10 @@ process: XLA reads XLA_FLAGS once):
     source .whl/gpu-env.sh && python3 -m benchmarks.fewrows --out $OUT/fewrows
 
 Variants: "default" (XLA's defaults: consecutive XLA kernels run as one CUDA graph, a
-command buffer, and a custom call such as jax-triton's ends a graph) and "nocmdbuf" (command
-buffers off: every kernel launched on its own). The row "triton-rowpath" forces one program per
+command buffer, and a custom call such as jax-triton's ends a graph), "nocmdbuf" (command
+buffers off: every kernel launched on its own) and "cmdbuf-triton" (jax-triton's legacy custom
+call recorded into the command buffers too, through XLA's
+`--legacy_command_buffer_custom_call_targets`). The row "triton-rowpath" forces one program per
 row (a single launch, no split + merge) to show what the second launch costs.
 """
 from __future__ import annotations
@@ -28,7 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"default": "", "nocmdbuf": "--xla_gpu_enable_command_buffer="}
+VARIANTS = {
+    "default": "",
+    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
+    # jax-triton's legacy custom call recorded into XLA's command buffers (CUDA graphs).
+    "cmdbuf-triton": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT "
+                     "--legacy_command_buffer_custom_call_targets=triton_kernel_call "
+                     "--xla_gpu_graph_min_graph_size=1",
+}
 FIELDS = ["date", "device", "commit", "versions", "variant", "op", "n", "v", "dtype", "impl",
           "us_per_call", "p20_us", "p80_us", "calls"]
 
@@ -49,6 +58,9 @@ def _ops():
     def xla_ce(x, y):
         return jnp.mean(-xla_logp(x, y))
 
+    def grad_of(loss):
+        return lambda x, y: jax.grad(loss)(x, y)
+
     return {
         "logsumexp": (lambda impl: lambda x, y: jfl.logsumexp(x, implementation=impl), xla_lse),
         "token_logprobs": (lambda impl: lambda x, y: jfl.token_logprobs(x, y,
@@ -56,6 +68,8 @@ def _ops():
                            xla_logp),
         "cross_entropy": (lambda impl: lambda x, y: jfl.cross_entropy(x, y, implementation=impl),
                           xla_ce),
+        "cross_entropy_grad": (lambda impl: grad_of(
+            lambda x, y: jfl.cross_entropy(x, y, implementation=impl)), grad_of(xla_ce)),
     }
 
 
