@@ -88,7 +88,7 @@ def _time_program(fn, xs, ys, reps: int) -> list[float]:
     return out
 
 
-def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops) -> list[dict]:
+def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -101,9 +101,11 @@ def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops) -> list[dic
         for n in ns:
             xs = jax.random.normal(jax.random.key(n), (calls, n, vocab), jnp.bfloat16)
             ys = jax.random.randint(jax.random.key(n + 1), (calls, n), 0, vocab)
-            impls = [("triton", ours("triton")), ("xla-twin", ours("xla")),
+            cases = [("triton", ours("triton")), ("xla-twin", ours("xla")),
                      ("xla-formula", xla_formula), ("triton-rowpath", ours("triton"))]
-            for impl, fn in impls:
+            for impl, fn in cases:
+                if impl not in impls:
+                    continue
                 saved = launch.PROGRAMS_PER_SM
                 if impl == "triton-rowpath":
                     launch.PROGRAMS_PER_SM = 0  # every N takes the one-program-per-row path
@@ -130,12 +132,14 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--ops", default="logsumexp,token_logprobs,cross_entropy")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--impls", default="triton,xla-twin,xla-formula,triton-rowpath")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     ns = [int(n) for n in args.ns.split(",")]
     ops = args.ops.split(",")
     if args.worker:
-        rows = worker(args.worker, ns, args.vocab, args.calls, args.reps, ops)
+        rows = worker(args.worker, ns, args.vocab, args.calls, args.reps, ops,
+                      args.impls.split(","))
         print("ROWS " + json.dumps(rows), flush=True)
         return
     from benchmarks import record
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[variant]).strip()
         cmd = [sys.executable, "-m", "benchmarks.fewrows", "--out", args.out, "--ns", args.ns,
                "--vocab", str(args.vocab), "--calls", str(args.calls), "--reps",
-               str(args.reps), "--ops", args.ops, "--worker", variant]
+               str(args.reps), "--ops", args.ops, "--impls", args.impls, "--worker", variant]
         res = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines()
                                  if not line.startswith("ROWS ")))
