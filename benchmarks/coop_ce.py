@@ -323,8 +323,10 @@ def check_warps(vocab: int, p: int) -> int | None:
                  fits(vocab, p, w)), None)
 
 
-def check(device: str = "cuda") -> int:
-    """Runs the correctness grid on the GPU; prints one line per case; returns the failures."""
+def check(device: str = "cuda", vocabs=CHECK_VOCABS, ns=CHECK_NS, ps=CHECK_PS,
+          big=(8192, 128256, 8)) -> int:
+    """Runs the correctness grid (on the GPU); prints one line per case; returns the failures.
+    `big` = (N, V, P) of the cases with options and with one group per row."""
     import torch
 
     failures = 0
@@ -337,11 +339,11 @@ def check(device: str = "cuda") -> int:
             print("     " + e.replace("\n", " | ")[:600], flush=True)
 
     for dtype in (torch.bfloat16, torch.float32):
-        for vocab in CHECK_VOCABS:
-            for n in CHECK_NS:
+        for vocab in vocabs:
+            for n in ns:
                 x, y = make_inputs(n, vocab, dtype, device, seed=vocab + n)
                 refs = references(x, y)
-                for p in CHECK_PS:
+                for p in ps:
                     w = check_warps(vocab, p)
                     if w is None:
                         continue
@@ -352,14 +354,15 @@ def check(device: str = "cuda") -> int:
                     report(f"{str(dtype)[6:]:8s} V={vocab:<6d} N={n:<4d} P={p:<2d} warps={w:<2d} "
                            f"{info}", errors)
                 del x, refs
-    x, y = make_inputs(8192, 128256, torch.bfloat16, device, seed=1)
+    n, vocab, p = big
+    x, y = make_inputs(n, vocab, torch.bfloat16, device, seed=1)
     for what, opts, kw in (("smoothing 0.1, z_loss 1e-4", dict(smoothing=0.1, z_loss=1e-4), {}),
-                           ("8192 groups (far over capacity: start-order tickets)", {},
-                            dict(groups=8192))):
+                           ("one group per row (far over capacity: start-order tickets)", {},
+                            dict(groups=n))):
         info = {}
-        got = coop_ce_fwd_grad(x, y, 8, 32, info=info, **opts, **kw)
-        errors = compare(got, references(x, y, **opts), y, 128256)
-        report(f"bf16 V=128256 N=8192 P=8 {what} {info}",
+        got = coop_ce_fwd_grad(x, y, p, default_warps(vocab, p), info=info, **opts, **kw)
+        errors = compare(got, references(x, y, **opts), y, vocab)
+        report(f"bf16 V={vocab} N={n} P={p} {what} {info}",
                errors + ([f"{info['timeouts']} timeouts"] if info["timeouts"] else []))
     info = {}
     x, y = make_inputs(256, 1000, torch.float32, device)
@@ -391,22 +394,25 @@ def bench(out: str, n: int = 8192, cases=BENCH_CASES, ps=(2, 4, 8, 12, 16), warp
     deadline = time.time() + budget_s
     base = dict(device=torch.cuda.get_device_name(), n=n, commit=_commit(),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"))
-    print(" ".join(f"{f:>10s}" for f in FIELDS[3:-1]), flush=True)
+    shown = FIELDS[3:]
+    print(" ".join(f"{f:>{max(9, len(f))}s}" for f in shown), flush=True)
     with open(out, "w", newline="") as fh:
         writer = csv.DictWriter(fh, FIELDS)
         writer.writeheader()
 
         def emit(**row):
-            writer.writerow(dict(base, **row))
+            row = dict(base, **row)
+            writer.writerow(row)
             fh.flush()
-            print(" ".join(f"{_fmt(row.get(f, '')):>10s}" for f in FIELDS[3:]), flush=True)
+            print(" ".join(f"{_fmt(row.get(f, '')):>{max(9, len(f))}s}" for f in shown),
+                  flush=True)
 
         for dt, vocab in cases:
             _bench_case(emit, n, dt, vocab, ps, warps, deadline)
             torch.cuda.empty_cache()
 
 
-def _bench_case(emit, n, dt, vocab, ps, warps, deadline) -> None:
+def _bench_case(emit, n, dt, vocab, ps, warps, deadline, device="cuda") -> None:
     import time
 
     import torch
@@ -414,10 +420,10 @@ def _bench_case(emit, n, dt, vocab, ps, warps, deadline) -> None:
 
     from torch_ref.cross_entropy import _fwd
 
-    x, y = make_inputs(n, vocab, getattr(torch, dt), "cuda", seed=vocab)
+    x, y = make_inputs(n, vocab, getattr(torch, dt), device, seed=vocab)
     y = y.to(torch.int32)  # the labels every implementation gets, converted once
     good = (y == -100) | ((y >= 0) & (y < vocab))
-    ones = torch.ones(n, device="cuda")
+    ones = torch.ones(n, device=device)
     copy_ms = do_bench(lambda: x.clone(), return_mode="median")
     fused = lambda: _fwd(x, y, ones, -100, 0.0, 0.0, None, True)
     fused_ms = do_bench(fused, return_mode="median")
@@ -435,7 +441,7 @@ def _bench_case(emit, n, dt, vocab, ps, warps, deadline) -> None:
             grad = coop_ce_fwd_grad(x, y, p, w, info=info)[2]
             row.update(info, max_err_vs_fused=max_err(grad, ref, good))
             del grad
-            if info["n_spills"]:
+            if info.get("n_spills"):
                 emit(**row, note="skipped: spills")
                 continue
             ms = do_bench(lambda: coop_ce_fwd_grad(x, y, p, w), return_mode="median")
