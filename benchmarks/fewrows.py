@@ -3,10 +3,10 @@
 At N <= 64 rows a call's GPU kernels take a few microseconds (CUPTI, `benchmarks.kernel_time`),
 but what a JAX user pays is the program's time per call, launch gaps included. This tool jits
 one program that applies an op to `--calls` different `[N, V]` inputs (no common
-subexpressions) and reports device time per call = wall time of the whole program / calls
-(the program runs for a millisecond or more, so the host's dispatch of it is negligible), for
-our implementations and XLA's own formula, under several XLA flag sets (each in its own
-process: XLA reads XLA_FLAGS once):
+subexpressions; separate buffers, so no slicing copies) and reports device time per call =
+wall time of the whole program / calls (the program runs for a millisecond or more, so the
+host's dispatch of it is negligible), for our implementations and XLA's own formula, under
+several XLA flag sets (each in its own process: XLA reads XLA_FLAGS once):
 
     source .whl/gpu-env.sh && python3 -m benchmarks.fewrows --out $OUT/fewrows
 
@@ -76,7 +76,9 @@ def _ops():
 def _time_program(fn, xs, ys, reps: int) -> list[float]:
     import jax
 
-    f = jax.jit(lambda xs, ys: [fn(xs[i], ys[i]) for i in range(xs.shape[0])])
+    # Separate arguments, not slices of one stacked array: a custom call's operand sliced out of
+    # a bigger buffer is copied first (XLA fuses a slice only into its own kernels).
+    f = jax.jit(lambda xs, ys: [fn(x, y) for x, y in zip(xs, ys)])
     jax.block_until_ready(f(xs, ys))
     for _ in range(3):
         jax.block_until_ready(f(xs, ys))
@@ -99,8 +101,10 @@ def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> l
         if op not in ops:
             continue
         for n in ns:
-            xs = jax.random.normal(jax.random.key(n), (calls, n, vocab), jnp.bfloat16)
-            ys = jax.random.randint(jax.random.key(n + 1), (calls, n), 0, vocab)
+            xs = [jax.random.normal(jax.random.key(n * 1000 + i), (n, vocab), jnp.bfloat16)
+                  for i in range(calls)]
+            ys = [jax.random.randint(jax.random.key(n * 1000 + i + 500), (n,), 0, vocab)
+                  for i in range(calls)]
             cases = [("triton", ours("triton")), ("xla-twin", ours("xla")),
                      ("xla-formula", xla_formula), ("triton-rowpath", ours("triton"))]
             for impl, fn in cases:
