@@ -1,27 +1,37 @@
-"""Fused linear cross-entropy, forward + backward (dX, dW), against its floor and the anchors.
+"""Fused linear cross-entropy, forward + backward (dH, dW), against its floor and the anchors.
 
-    python -m benchmarks.linear_ce --out out/linear_ce             # on the GPU (~2-3 min)
+    source .whl/gpu-env.sh && python3 -m benchmarks.linear_ce --out out/linear_ce  # all (~5 min)
+    python3 -m benchmarks.linear_ce --out out/lce --quick    # target shape, chunks 512 and 1024
     python -m benchmarks.linear_ce --out out/lce --smoke --n 64 --d 32 --v 1000   # CPU smoke
 
-Rows (bf16 by default, N=8192, D=4096, V=128256):
-- jax_fusedloss.linear_cross_entropy: implementation "triton" with float32 and "input"
-  accumulation of dW, and "xla";
+Shapes (`--shapes`, bf16 by default): llama3-8b (N=8192, D=4096, V=128256: issue 10's target),
+gemma2-2b (N=8192, D=2304, V=256000, Gemma-2-2B's head) and llama3-8b-n32k (N=32768); or one
+`--n/--d/--v` shape. Rows at each shape:
+- jax_fusedloss.linear_cross_entropy, implementation "triton", for each `--chunk-sizes` (and
+  the default chunk, marked) with "input" and "float32" accumulation of dW; "xla" (default
+  chunk, both accumulations);
 - optax naive: logits = h @ W materialised, optax.softmax_cross_entropy_with_integer_labels;
 - matmuls: the three bare matmuls of the step (h @ W, G @ W^T, h^T @ G with G given), the floor;
 - PyTorch: torch naive (F.linear + F.cross_entropy), Liger's LigerFusedLinearCrossEntropyLoss
   and Apple's cut_cross_entropy.linear_cross_entropy when importable, torch_ref's autograd
-  Function.
+  Function. Cut Cross-Entropy twice: on the same random inputs as everyone, and on "peaked"
+  ones (`_peaked_inputs`), since its backward skips blocks whose softmax is below its filter.
+A naive baseline whose estimated memory exceeds `--mem-limit-gib` is skipped with a note.
 
-Median / 20th / 80th percentile ms (benchmarks/timing.py), and memory: `peak_gib` is the memory
-beyond the inputs during forward + backward, gradients included (JAX: XLA's output + temp
-bytes; PyTorch: max_memory_allocated beyond what was allocated before the call), `temp_gib`
-XLA's temporaries. Rows go to `<out>/linear_ce.csv` with device, versions and commit.
+Median / 20th / 80th percentile ms (benchmarks/timing.py; 3 samples at the N=32768 shape), and
+memory: `peak_gib` is the memory beyond the inputs during forward + backward, gradients included
+(JAX: XLA's output + temp bytes; PyTorch: max_memory_allocated beyond what was allocated before
+the call), `temp_gib` XLA's temporaries. PyTorch runs first (its cache is emptied after each
+case; JAX keeps what it allocated). Rows go to `<out>/linear_ce.csv` with device, versions and
+commit; each shape ends with a one-line summary of ours against the bare matmuls.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import datetime
+import importlib.metadata
+import math
 import os
 import traceback
 from pathlib import Path
@@ -32,47 +42,83 @@ GIB = float(1 << 30)
 FIELDS = ["date", "device", "commit", "versions", "n", "d", "v", "dtype", "framework", "impl",
           "median_ms", "p20_ms", "p80_ms", "ratio_to_matmuls", "peak_gib", "temp_gib", "loss",
           "note"]
+SHAPES = {"llama3-8b": (8192, 4096, 128256), "gemma2-2b": (8192, 2304, 256000),
+          "llama3-8b-n32k": (32768, 4096, 128256)}
+TARGET = "llama3-8b"
+CHUNKS, QUICK_CHUNKS = "256,512,1024,2048", "512,1024"
+# Shapes with more logits than this (N=32768 at V=128256: 4.2e9) are timed with 3 samples
+# (timing's smoke plan): a call there takes ~0.15 s, steady enough, and keeps the whole run
+# near 5 minutes on an H100.
+FEW_SAMPLES_ELEMS = 3e9
+# Bytes per logit (N * V) of the naive baselines, measured on H100 at N=8192, V=128256 (bf16:
+# torch naive 11.7 GiB, optax naive 5.0 GiB, matmuls with their given [N, V] gradient 3.0 + 2);
+# one over --mem-limit-gib is skipped with a note. At N=32768, V=128256: torch naive ~47 GiB
+# (fits an 80 GB GPU when it runs before JAX has allocated), optax ~20 GiB.
+NAIVE_BYTES_PER_LOGIT = {"torch-naive": 12.0, "optax-naive": 5.1, "matmuls-floor": 5.0}
 
 
-def _jax_cases(n, d, v, dtype, smoke, rows, note):
+def _fits(name, n, v, limit_gib, note) -> bool:
+    need = NAIVE_BYTES_PER_LOGIT.get(name, 0.0) * n * v / GIB
+    if need > limit_gib:
+        note(f"{name} at N={n} V={v}: skipped, needs ~{need:.0f} GiB > --mem-limit-gib "
+             f"{limit_gib:g}")
+        return False
+    return True
+
+
+def _chunks(n, d, v, dtype, sweep, acc):
+    """(chunk, is_default) for ours: the sweep's chunks up to N, and the default chunk."""
+    from jax_fusedloss.linear_cross_entropy import default_chunk_size
+
+    default = default_chunk_size(n, v, d, dtype, acc)
+    return [(c, c == default) for c in sorted({c for c in sweep if c <= n} | {default})]
+
+
+def _jax_cases(shape, dtype, sweep, few, limit, rows, note):
     import jax
     import jax.numpy as jnp
     import optax
 
     import jax_fusedloss as jfl
 
+    n, d, v = shape
     dt = jnp.dtype(dtype)
     k = jax.random.split(jax.random.key(0), 4)
     h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dt)
     w = (jax.random.normal(k[1], (d, v), jnp.float32) * 0.02).astype(dt)
     y = jax.random.randint(k[2], (n,), 0, v)
 
-    def ours(impl, accumulation):
+    def ours(impl, acc, chunk):
         return lambda h, w: jfl.linear_cross_entropy(h, w, y, implementation=impl,
-                                                     accumulation=accumulation)
+                                                     accumulation=acc, chunk_size=chunk)
 
-    def optax_naive(h, w):
-        return optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
-
-    cases = [("ours-triton-f32acc", ours("triton", "float32")),
-             ("ours-triton-inputacc", ours("triton", "input")),
-             ("ours-xla-f32acc", ours("xla", "float32")),
-             ("optax-naive", optax_naive)]
-    for name, loss_fn in cases:
+    cases = []  # (name, loss_fn, note)
+    for acc, tag in (("input", "inputacc"), ("float32", "f32acc")):
+        for chunk, default in _chunks(n, d, v, dt, sweep, acc):
+            cases.append((f"ours-triton-{tag}-c{chunk}", ours("triton", acc, chunk),
+                          "default chunk_size" if default else ""))
+    for acc, tag in (("float32", "f32acc"), ("input", "inputacc")):
+        cases.append((f"ours-xla-{tag}", ours("xla", acc, None), "default chunk_size"))
+    if _fits("optax-naive", n, v, limit, note):
+        cases.append(("optax-naive", lambda h, w: optax.softmax_cross_entropy_with_integer_labels(
+            h @ w, y).mean(), ""))
+    for name, loss_fn, msg in cases:
         try:
             fn = jax.jit(jax.value_and_grad(loss_fn, (0, 1)))
             compiled = fn.lower(h, w).compile()
             ma = compiled.memory_analysis()
-            stats = timing.time_jax(lambda: compiled(h, w), 1, h.nbytes + w.nbytes, smoke)
+            stats = timing.time_jax(lambda: compiled(h, w), 1, h.nbytes + w.nbytes, few)
             loss = float(compiled(h, w)[0])
             peak = ma.output_size_in_bytes + ma.temp_size_in_bytes
             rows.append(dict(framework="jax", impl=name, **stats._asdict(), peak_gib=peak / GIB,
-                             temp_gib=ma.temp_size_in_bytes / GIB, loss=loss))
+                             temp_gib=ma.temp_size_in_bytes / GIB, loss=loss, note=msg))
+            print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
             traceback.print_exc()
-            note(f"jax {name}: {type(e).__name__}: {e}")
-        print(rows[-1] if rows else None, flush=True)
+            note(f"jax {name} at N={n} D={d} V={v}: {type(e).__name__}: {e}")
 
+    if not _fits("matmuls-floor", n, v, limit, note):
+        return
     g = (jax.random.normal(k[3], (n, v), jnp.float32) * 1e-3).astype(dt)
 
     def matmuls(h, w, g):
@@ -80,17 +126,38 @@ def _jax_cases(n, d, v, dtype, smoke, rows, note):
 
     compiled = jax.jit(matmuls).lower(h, w, g).compile()
     ma = compiled.memory_analysis()
-    stats = timing.time_jax(lambda: compiled(h, w, g), 1, h.nbytes + w.nbytes, smoke)
+    stats = timing.time_jax(lambda: compiled(h, w, g), 1, h.nbytes + w.nbytes, few)
     rows.append(dict(framework="jax", impl="matmuls-floor", **stats._asdict(),
                      peak_gib=(ma.output_size_in_bytes + ma.temp_size_in_bytes) / GIB,
-                     temp_gib=ma.temp_size_in_bytes / GIB, loss=float("nan")))
+                     temp_gib=ma.temp_size_in_bytes / GIB, loss=float("nan"), note=""))
     print(rows[-1], flush=True)
 
 
-def _torch_cases(n, d, v, dtype, smoke, rows, note):
+def _peaked_inputs(n, d, v, dt, dev, gen):
+    """(h, W [V, D], y) whose softmax is peaked like a trained LM's: a Zipf prior over the
+    vocabulary (logit -1.5 log(1 + rank), through h[:, 0] = 1) plus token noise of std 1, labels
+    drawn from the prior. A numpy simulation at V=128256 (1024 tokens) gives a loss of ~3.6
+    nats and ~98% of Cut Cross-Entropy's 128 x 128 backward blocks under its filter (bf16 eps /
+    32 = 2.4e-4) once it sorts the vocabulary by mean logit. The random inputs of the other
+    rows (h ~ N(0, 1), W ~ N(0, 0.02^2): logits of std 1.28 over 128K classes) have a flat
+    softmax: max probability ~3e-3, ~7 entries per 128 x 128 block above the filter, so CCE
+    skips no block there. Data-dependent skipping drops gradient entries below the filter."""
+    import torch
+
+    prior = -1.5 * torch.log1p(torch.randperm(v, device=dev, generator=gen).float())
+    h = torch.randn(n, d, device=dev, generator=gen)
+    h[:, 0] = 1.0
+    w = torch.randn(v, d, device=dev, generator=gen) / math.sqrt(max(d - 1, 1))
+    w[:, 0] = prior
+    y = torch.multinomial(torch.softmax(prior, 0), n, replacement=True, generator=gen)
+    return h.to(dt).requires_grad_(True), w.to(dt).requires_grad_(True), y
+
+
+def _torch_cases(shape, dtype, few, limit, rows, note):
     import torch
     import torch.nn.functional as F
 
+    n, d, v = shape
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     dt = getattr(torch, dtype)
@@ -98,100 +165,184 @@ def _torch_cases(n, d, v, dtype, smoke, rows, note):
     h = torch.randn(n, d, device=dev, generator=gen).to(dt).requires_grad_(True)
     w_vd = (torch.randn(v, d, device=dev, generator=gen) * 0.02).to(dt).requires_grad_(True)
     y = torch.randint(0, v, (n,), device=dev, generator=gen)
+    inputs = (h, w_vd, y)
 
-    cases = {"torch-naive": lambda h, w: F.cross_entropy(F.linear(h, w).float(), y)}
+    cases = {}  # name: (loss_fn(h, w, y), inputs)
+    if _fits("torch-naive", n, v, limit, note):
+        cases["torch-naive"] = (lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y),
+                                inputs)
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
         liger = LigerFusedLinearCrossEntropyLoss()
-        cases["liger-flce"] = lambda h, w: liger(w, h, y)
+        cases["liger-flce"] = (lambda h, w, y: liger(w, h, y), inputs)
     except Exception as e:  # noqa: BLE001 - a missing or broken anchor is skipped
         note(f"liger: {type(e).__name__}: {e}; skipped")
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
 
-        cases["cut-cross-entropy"] = lambda h, w: cce(h, w, y)
+        # its defaults: impl="cce", filter_eps="high" (bf16 eps / 32), reduction="mean"
+        cases["cut-cross-entropy"] = (lambda h, w, y: cce(h, w, y), inputs)
+        cases["cut-cross-entropy-peaked"] = (lambda h, w, y: cce(h, w, y),
+                                             _peaked_inputs(n, d, v, dt, dev, gen))
     except Exception as e:  # noqa: BLE001
         note(f"cut_cross_entropy: {type(e).__name__}: {e}; skipped")
     try:
         import torch_ref
 
-        cases["torch_ref-f32acc"] = lambda h, w: torch_ref.linear_cross_entropy(
-            h, w, y, weight_layout="vd")
+        cases["torch_ref-f32acc"] = (lambda h, w, y: torch_ref.linear_cross_entropy(
+            h, w, y, weight_layout="vd"), inputs)
     except Exception as e:  # noqa: BLE001
         note(f"torch_ref: {type(e).__name__}: {e}; skipped")
 
     input_bytes = h.numel() * h.element_size() + w_vd.numel() * w_vd.element_size()
-    for name, loss_fn in cases.items():
+    for name, (loss_fn, (hc, wc, yc)) in cases.items():
         try:
-            def call(loss_fn=loss_fn):
-                loss = loss_fn(h, w_vd)
-                return loss.detach(), torch.autograd.grad(loss, (h, w_vd))
+            def call(loss_fn=loss_fn, hc=hc, wc=wc, yc=yc):
+                loss = loss_fn(hc, wc, yc)
+                return loss.detach(), torch.autograd.grad(loss, (hc, wc))
 
-            stats = timing.time_torch(call, 1, input_bytes, cuda, smoke)
+            stats = timing.time_torch(call, 1, input_bytes, cuda, few)
             peak = timing.torch_peak_bytes(call, 0, cuda)
             loss = float(call()[0])
             rows.append(dict(framework="torch", impl=name, **stats._asdict(),
                              peak_gib=None if peak is None else peak / GIB, temp_gib=None,
-                             loss=loss))
+                             loss=loss, note="peaked inputs" if "peaked" in name else ""))
             print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            note(f"torch {name}: {type(e).__name__}: {e}")
+            note(f"torch {name} at N={n} D={d} V={v}: {type(e).__name__}: {e}")
         if cuda:
             torch.cuda.empty_cache()
+    del cases, inputs, h, w_vd, y
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def _summary(label, shape, rows) -> str:
+    """One line: ours (each chunk, * = default) and the anchors as x bare matmuls, peak GiB."""
+    n, d, v = shape
+    floor = next((r["median_ms"] for r in rows if r["impl"] == "matmuls-floor"), None)
+
+    def cell(r, name):
+        ratio = f"{r['median_ms'] / floor:.2f}x" if floor else f"{r['median_ms']:.1f}ms"
+        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        return f"{name}{'*' if r['note'] == 'default chunk_size' else ''} {ratio} {peak}"
+
+    parts = [f"{label} N={n} D={d} V={v}: matmuls "
+             + (f"{floor:.1f} ms" if floor else "-") + " | ours x matmuls, peak GiB"]
+    for tag in ("inputacc", "f32acc"):
+        ours = [r for r in rows if r["impl"].startswith(f"ours-triton-{tag}-c")]
+        ours.sort(key=lambda r: int(r["impl"].rsplit("-c", 1)[1]))
+        if ours:
+            parts.append(f"{tag}: " + ", ".join(cell(r, "c" + r["impl"].rsplit("-c", 1)[1])
+                                                for r in ours))
+    others = [r for r in rows if not r["impl"].startswith("ours-triton")
+              and r["impl"] != "matmuls-floor"]
+    if others:
+        parts.append(", ".join(cell(r, r["impl"]) for r in others))
+    return " | ".join(parts)
+
+
+def _shapes(args) -> dict:
+    if args.n or args.d or args.v:
+        base = SHAPES[TARGET]
+        return {"custom": (args.n or base[0], args.d or base[1], args.v or base[2])}
+    names = [TARGET] if args.quick else args.shapes.split(",")
+    unknown = [s for s in names if s not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown --shapes {unknown}; known: {', '.join(SHAPES)}")
+    return {s: SHAPES[s] for s in names}
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for linear_ce.csv")
-    p.add_argument("--n", type=int, default=8192)
-    p.add_argument("--d", type=int, default=4096)
-    p.add_argument("--v", type=int, default=128256)
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
+    p.add_argument("--n", type=int, help="one custom shape instead of --shapes (with --d, --v)")
+    p.add_argument("--d", type=int)
+    p.add_argument("--v", type=int)
+    p.add_argument("--chunk-sizes", default=None,
+                   help=f"chunk sizes of ours (default {CHUNKS}; --quick {QUICK_CHUNKS})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"only {TARGET}, chunk sizes {QUICK_CHUNKS}")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--frameworks", default="jax,torch", help="comma list of jax, torch")
+    p.add_argument("--mem-limit-gib", type=float, default=64.0,
+                   help="skip a naive baseline estimated to need more (80 GB GPU: 64)")
     p.add_argument("--smoke", action="store_true", help="few samples (CPU check of the script)")
     args = p.parse_args(argv)
+    sweep = [int(c) for c in (args.chunk_sizes or (QUICK_CHUNKS if args.quick else CHUNKS))
+             .split(",")]
+    shapes = _shapes(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows, notes = [], []
+    results = {label: [] for label in shapes}
+    notes = []
 
     def note(msg):
         print("note:", msg, flush=True)
         notes.append(msg)
 
     frameworks = args.frameworks.split(",")
-    if "jax" in frameworks:
-        _jax_cases(args.n, args.d, args.v, args.dtype, args.smoke, rows, note)
-    if "torch" in frameworks:
-        try:
-            _torch_cases(args.n, args.d, args.v, args.dtype, args.smoke, rows, note)
-        except Exception as e:  # noqa: BLE001 - e.g. torch missing: keep the JAX rows
-            traceback.print_exc()
-            note(f"torch: {type(e).__name__}: {e}")
-    floor = next((r["median_ms"] for r in rows if r["impl"] == "matmuls-floor"), None)
+    for fw in ("torch", "jax"):  # torch first: JAX keeps the memory it allocated
+        if fw not in frameworks:
+            continue
+        for label, shape in shapes.items():
+            few = args.smoke or shape[0] * shape[2] > FEW_SAMPLES_ELEMS
+            print(f"== {fw} {label} N={shape[0]} D={shape[1]} V={shape[2]}", flush=True)
+            try:
+                if fw == "jax":
+                    _jax_cases(shape, args.dtype, sweep, few, args.mem_limit_gib,
+                               results[label], note)
+                else:
+                    _torch_cases(shape, args.dtype, few, args.mem_limit_gib, results[label],
+                                 note)
+            except Exception as e:  # noqa: BLE001 - e.g. torch missing: keep the other rows
+                traceback.print_exc()
+                note(f"{fw} {label}: {type(e).__name__}: {e}")
+    path = _write_csv(out, shapes, results, notes, args.dtype)
     device = _device()
+    for label, shape in shapes.items():
+        rows = results[label]
+        floor = next((r["median_ms"] for r in rows if r["impl"] == "matmuls-floor"), None)
+        print(f"\n{device}  {label} N={shape[0]} D={shape[1]} V={shape[2]} {args.dtype}  "
+              "fwd+bwd (dH, dW)")
+        for r in rows:
+            ratio = f"{r['median_ms'] / floor:5.2f}x" if floor else "  -  "
+            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+            print(f"{r['framework']:6s} {r['impl']:28s} {r['median_ms']:9.2f} ms {ratio}  "
+                  f"peak {peak} GiB  loss {r['loss']:.5f}  {r['note']}")
+    print("\nsummary (* = default chunk_size; peak = GiB beyond the inputs)")
+    for label, shape in shapes.items():
+        print(_summary(label, shape, results[label]))
+    print(f"wrote {path}")
+
+
+def _write_csv(out: Path, shapes, results, notes, dtype) -> Path:
+    device = _device()
+    versions = record.versions()
+    try:
+        versions += f" cut-cross-entropy={importlib.metadata.version('cut-cross-entropy')}"
+    except importlib.metadata.PackageNotFoundError:
+        pass
     common = dict(date=datetime.date.today().isoformat(), device=device,
-                  commit=record.commit(), versions=record.versions(), n=args.n, d=args.d,
-                  v=args.v, dtype=args.dtype)
+                  commit=record.commit(), versions=versions, dtype=dtype)
     path = out / "linear_ce.csv"
     new = not path.exists()
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         if new:
             writer.writeheader()
-        for r in rows:
-            ratio = r["median_ms"] / floor if floor else None
-            writer.writerow(dict(common, **r, ratio_to_matmuls=ratio, note=""))
+        for label, (n, d, v) in shapes.items():
+            rows = results[label]
+            floor = next((r["median_ms"] for r in rows if r["impl"] == "matmuls-floor"), None)
+            for r in rows:
+                ratio = r["median_ms"] / floor if floor else None
+                writer.writerow(dict(common, n=n, d=d, v=v, **r, ratio_to_matmuls=ratio))
         for msg in notes:
             writer.writerow(dict(common, framework="note", impl="", note=msg))
-    print(f"\n{device}  N={args.n} D={args.d} V={args.v} {args.dtype}  fwd+bwd (dX, dW)")
-    for r in rows:
-        ratio = f"{r['median_ms'] / floor:5.2f}x" if floor else "  -  "
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        print(f"{r['framework']:6s} {r['impl']:22s} {r['median_ms']:9.2f} ms {ratio}  "
-              f"peak {peak} GiB  loss {r['loss']:.5f}")
-    print(f"wrote {path}")
+    return path
 
 
 def _device() -> str:

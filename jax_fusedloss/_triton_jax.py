@@ -156,8 +156,8 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
         with _INTERPRET_LOCK:
             ins = [_to_torch(a) for a in arrays]
             outs = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
-            for i, o in aliases.items():  # emulate aliasing: the output starts as the input
-                outs[o] = ins[i].clone()
+            for i, o in aliases.items():  # written in place, as on the GPU: `ins` are copies
+                outs[o] = ins[i]
             kernel[grid](*ins, *scalars, *outs, **constexprs)
             return tuple(_to_numpy(o) for o in outs)
 
@@ -172,7 +172,8 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
     maps an input index to an output index: on the GPU the output reuses the input's buffer
-    (XLA copies it first if the input is still live), in the interpreter it starts as a copy.
+    (XLA copies it first if the input is still live); in the interpreter the kernel writes in
+    place over the host copy of the input, so read-after-write hazards show there too.
     """
     check_triton_available()
     constexprs = dict(constexprs or {})

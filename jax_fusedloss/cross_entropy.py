@@ -22,6 +22,9 @@ class CEOptions(NamedTuple):
     return_lse: bool
     implementation: str
     vocab_axis: str | tuple[str, ...] | None = None
+    # Triton gradients overwrite the logits they come from (aliased): only for logits that are
+    # dead afterwards (linear_cross_entropy's chunks); a caller's logits would be copied first.
+    in_place: bool = False
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -38,13 +41,14 @@ def _plan_options(opts: CEOptions) -> dict:
 
 def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
     """Per-row (loss, lse, coef) and, if write_grad, the unit-cotangent gradient."""
-    plan = functools.partial(_plans().ce_fwd_plan, write_grad=write_grad, **_plan_options(opts))
+    plan = functools.partial(_plans().ce_fwd_plan, write_grad=write_grad,
+                             in_place=write_grad and opts.in_place, **_plan_options(opts))
     return _triton_jax.run_rows(plan, ("x", "y", "row_scale"), x, y, row_scale)
 
 
 def _triton_rows_bwd(x, y, lse, coef, opts: CEOptions):
     plan = functools.partial(_plans().ce_bwd_plan, softcap=opts.softcap,
-                             num_sms=_triton_jax.num_sms())
+                             num_sms=_triton_jax.num_sms(), in_place=opts.in_place)
     return _triton_jax.run_rows(plan, ("x", "y", "lse", "coef"), x, y, lse, coef)[0]
 
 

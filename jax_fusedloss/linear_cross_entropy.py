@@ -4,7 +4,8 @@ token chunk, so that no `[N, V]` logits (or their gradient) outlive one chunk.
 Design (token chunks whose logits live briefly): for each chunk of `C` tokens,
 `logits = h_chunk @ W (+ b)` by XLA's matmul (cuBLAS on a GPU), then the cross-entropy row
 functions of `cross_entropy.py` give the chunk's per-token loss and the gradient w.r.t. its
-logits (the Triton forward writes that gradient in the same pass), then `dH_chunk = g @ W^T`
+logits (the Triton forward writes that gradient in the same pass, in place over the chunk's
+logits: `CEOptions.in_place`, so a chunk costs one `[C, V]` temporary), then `dH_chunk = g @ W^T`
 and `dW += h_chunk^T @ g` (float32 accumulator), `db += sum_rows(g)`. Under differentiation
 the forward of the `custom_vjp` computes the loss *and* dH, dW, db in one loop over the
 chunks (three matmuls per chunk in all); the backward only scales them by the scalar cotangent
@@ -32,16 +33,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss.kernels import linear_ce as _chunking
 from jax_fusedloss.cross_entropy import CEOptions, _denominator, _row_cotangent, _row_fns
 
 LAYOUTS = ("dv", "vd")
-# The [C, V] logits and their gradient (both in the logits' dtype) of one chunk stay within
-# this budget: 512 MiB is 1024 rows at V=128256 in bf16, large enough that each chunk's
-# matmuls run at cuBLAS's full rate (M >= 1024) and small next to the float32 dW accumulator.
-CHUNK_BUDGET_BYTES = 512 << 20
-
-
 ACCUMULATIONS = ("float32", "input")
+# Each chunk's logits gradient overwrites the chunk's logits (a temporary of the loop): the
+# Triton cross-entropy launches alias them (CEOptions.in_place). False only to compare.
+_IN_PLACE = True
 
 
 class LCEOptions(NamedTuple):
@@ -52,21 +51,19 @@ class LCEOptions(NamedTuple):
     implementation: str
 
 
-def default_chunk_size(n: int, vocab: int, dim: int, dtype) -> int:
-    """Tokens per chunk: the largest power of two `C` (at most N) with
-    `C * V * itemsize * 2 <= CHUNK_BUDGET_BYTES` (the chunk's logits and their gradient), or N
-    when all N tokens fit. Powers of two divide the usual token counts (no ragged tail) and
-    keep the matmuls' M dimension tile-aligned. `dim` does not change it: the chunk's
-    `[C, D]` slices of the hidden states are far smaller than its logits."""
+def default_chunk_size(n: int, vocab: int, dim: int, dtype,
+                       accumulation: str = "float32") -> int:
+    """Tokens per chunk when `chunk_size=None`: `jax_fusedloss.kernels.linear_ce.chunk_rows`,
+    the largest power of two C (at most N) whose `[C, V]` logits fit `CHUNK_BUDGET_BYTES` (128
+    MiB: 512 rows at V=128256 in bf16; their gradient overwrites them in place), but for 16-bit
+    logits at least 256 rows per byte of dW's accumulator (512 with accumulation="input", 1024
+    with "float32"), below which the per-chunk dW update turns memory-bound. `dim` does not
+    change it: the chunk's `[C, D]` slices of the hidden states are far smaller than its
+    logits."""
     del dim
-    per_row = 2 * vocab * jnp.dtype(dtype).itemsize
-    rows = max(1, CHUNK_BUDGET_BYTES // per_row)
-    if n <= rows:
-        return max(n, 1)
-    chunk = 1
-    while chunk * 2 <= rows:
-        chunk *= 2
-    return min(chunk, n)
+    itemsize = jnp.dtype(dtype).itemsize
+    dw_itemsize = 4 if accumulation == "float32" else itemsize
+    return _chunking.chunk_rows(n, vocab, itemsize, dw_itemsize)
 
 
 # ----------------------------------------------------------------------------- chunk algebra
@@ -113,7 +110,7 @@ def _put(buf, start, val):
 
 
 def _chunk_fns(opts: LCEOptions, impl: str):
-    return _row_fns(opts.ce._replace(implementation=impl), impl)
+    return _row_fns(opts.ce._replace(implementation=impl, in_place=_IN_PLACE), impl)
 
 
 def _setup(h, y, opts: LCEOptions):
@@ -328,7 +325,8 @@ def linear_cross_entropy(
 
     Equal to `cross_entropy(hidden @ W + bias, labels, ...)` (same options, same loss; see
     `cross_entropy` for the formula), computed `chunk_size` tokens at a time: each chunk's
-    logits `[C, V]` and their gradient exist only while that chunk is processed. Under
+    logits `[C, V]` exist only while that chunk is processed (with the Triton kernels their
+    gradient overwrites them in place: one `[C, V]` temporary per chunk). Under
     differentiation the forward also computes the gradients w.r.t. `hidden`, `weight` and
     `bias` (three matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them by
     the cotangent; with `reduction="none"` or `return_lse=True` the backward recomputes each
@@ -346,8 +344,11 @@ def linear_cross_entropy(
         `cross_entropy`; "mean" divides by the number of non-ignored tokens of the batch.
       implementation: None (Triton cross-entropy kernels on a CUDA GPU, XLA elsewhere),
         "triton" or "xla"; the matmuls are XLA's either way.
-      chunk_size: tokens per chunk (>= 1), or None for `default_chunk_size` (at most
-        `CHUNK_BUDGET_BYTES` of chunk logits plus gradient). A ragged last chunk is allowed.
+      chunk_size: tokens per chunk (>= 1), or None for `default_chunk_size`: the chunk's
+        logits within `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but at
+        least 512 rows ("input") or 1024 ("float32") for 16-bit logits. The knob between
+        memory (C * V * itemsize bytes of temporary) and speed (each chunk reads and writes
+        all of dW once: fewer, longer chunks are faster). A ragged last chunk is allowed.
       accumulation: "float32" (default) sums dW over the chunks in a float32 `[D, V]` buffer,
         rounded to weight's dtype once at the end; "input" sums it in weight's dtype (each
         chunk's product computed in float32 and rounded into the sum, as Liger does), which
@@ -392,7 +393,7 @@ def linear_cross_entropy(
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]
     if chunk_size is None:
-        chunk = default_chunk_size(n, vocab, h.shape[1], hidden.dtype)
+        chunk = default_chunk_size(n, vocab, h.shape[1], hidden.dtype, accumulation)
     else:
         chunk = min(_common.check_static_int(chunk_size, "chunk_size", lo=1), max(n, 1))
     if n == 0:

@@ -2,6 +2,8 @@
 jax.grad / torch.autograd of the naive formula (logits = h @ W + b materialised) in float64."""
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,8 +12,13 @@ import torch
 
 import jax_fusedloss
 import torch_ref
-from jax_fusedloss.linear_cross_entropy import CHUNK_BUDGET_BYTES, default_chunk_size
+from jax_fusedloss.kernels.linear_ce import CHUNK_BUDGET_BYTES
+from jax_fusedloss.linear_cross_entropy import default_chunk_size
 from tests.helpers import assert_close, to_numpy, to_torch
+
+# the modules (each package exports a function of the same name)
+lce_jax = importlib.import_module("jax_fusedloss.linear_cross_entropy")
+lce_torch = importlib.import_module("torch_ref.linear_cross_entropy")
 
 
 # ----------------------------------------------------------------------------- naive formulas
@@ -242,12 +249,115 @@ def test_vmap_and_scan():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16) == 1024
-    assert default_chunk_size(8192, 128256, 4096, jnp.float32) == 512
-    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16) == 512
+    """128 MiB of chunk logits (the gradient overwrites them), but at least 256 rows per byte
+    of dW's accumulator for 16-bit logits; powers of two, at most N."""
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "input") == 512
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "float32") == 1024
+    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16, "input") == 512  # the floor
+    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "input") == 2048  # the budget
+    assert default_chunk_size(8192, 128256, 4096, jnp.float32, "float32") == 256  # no floor
     assert default_chunk_size(100, 128256, 4096, jnp.bfloat16) == 100
     assert default_chunk_size(5, 10**9, 64, jnp.float32) == 1
-    assert torch_ref.linear_cross_entropy.__module__.endswith("linear_cross_entropy")
+    assert lce_torch.default_chunk_size(8192, 128256, torch.bfloat16) == 1024  # float32 dW
+    assert 512 * 128256 * 2 <= CHUNK_BUDGET_BYTES < 1024 * 128256 * 2
+
+
+# ----------------------------------------------------------------------------- in place
+def test_in_place_plans_alias_the_logits():
+    """in_place makes the launch that writes the gradient alias input 0 ("x"): the row kernel
+    (output 3, "grad") and the split path's gradient launch (output 0); nothing otherwise."""
+    from jax_fusedloss.kernels import cross_entropy as k
+
+    opts = dict(ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None)
+    for sms, alias in ((1, ((0, 3),)), (64, ((0, 0),))):  # rows, split
+        plan = k.ce_fwd_plan(8, 40000, num_sms=sms, write_grad=True, in_place=True, **opts)
+        assert [step.aliases for step in plan.launches] == [()] * (len(plan.launches) - 1) + [
+            alias], f"num_sms={sms}"
+        gradient = plan.launches[-1]
+        assert gradient.inputs[0] == "x" and gradient.outputs[alias[0][1]].name == "grad"
+        for off in (dict(write_grad=True), dict(write_grad=False, in_place=True)):
+            plan = k.ce_fwd_plan(8, 40000, num_sms=sms, **opts, **off)
+            assert all(step.aliases == () for step in plan.launches), (sms, off)
+    assert k.ce_bwd_plan(8, 40000, softcap=None, num_sms=64,
+                         in_place=True).launches[0].aliases == ((0, 0),)
+    assert k.ce_bwd_plan(8, 40000, softcap=None, num_sms=64).launches[0].aliases == ()
+
+
+def _spy_aliases(monkeypatch):
+    """Records the input_output_aliases of every Triton launch from JAX."""
+    from jax_fusedloss import _triton_jax
+
+    seen, launch = [], _triton_jax.launch
+
+    def spy(kernel, **kw):
+        if kw.get("input_output_aliases"):
+            seen.append((getattr(kernel, "__name__", None) or kernel.fn.__name__,
+                         dict(kw["input_output_aliases"])))
+        return launch(kernel, **kw)
+
+    monkeypatch.setattr(_triton_jax, "launch", spy)
+    return seen
+
+
+# (path, layout, reduction, chunk) on 1 SM: chunks of 2 rows take the row path (V=17000: two
+# gradient tiles per row; the 1-row tail splits), chunks of 1 row the split path (5 slices);
+# "none" recomputes the logits in the backward (ce_bwd_plan in place).
+IN_PLACE_CASES = [("rows", "dv", "mean", 2), ("rows", "vd", "none", 2),
+                  ("split", "vd", "mean", 1), ("split", "dv", "none", 1)]
+
+
+@pytest.mark.parametrize("path, layout, reduction, chunk", IN_PLACE_CASES)
+def test_in_place_equals_out_of_place(monkeypatch, path, layout, reduction, chunk):
+    """The gradient written over each chunk's logits (the default) gives the same loss, dH,
+    dW and db as a separate gradient buffer, bit for bit, and both match float64 autodiff:
+    JAX "triton" (the interpreter writes in place like the GPU) and torch_ref, row and split
+    paths, both layouts, gradients in the forward ("mean") and recomputed ("none")."""
+    from jax_fusedloss import _triton_jax
+    import torch_ref._launch
+
+    monkeypatch.setattr(_triton_jax, "num_sms", lambda: 1)
+    monkeypatch.setattr(torch_ref._launch, "num_sms", lambda t: 1)
+    vocab, n = 17000, 5
+    k = jax.random.split(jax.random.key(5), 3)
+    h = jax.random.normal(k[0], (n, D), jnp.float32)
+    w = jax.random.normal(k[1], (D, vocab) if layout == "dv" else (vocab, D), jnp.float32) * 0.4
+    b = jax.random.normal(k[2], (vocab,), jnp.float32)
+    y = jnp.asarray(np.random.default_rng(5).integers(0, vocab, n), jnp.int32).at[2].set(-100)
+    wl, _ = objective_weights(5, (n,), reduction, False)
+    o = dict(weight_layout=layout, reduction=reduction, chunk_size=chunk, z_loss=1e-3)
+    args = (h, w, b, y, wl, None)
+    seen = _spy_aliases(monkeypatch)
+    results = {}
+    for flag in (True, False):
+        monkeypatch.setattr(lce_jax, "_IN_PLACE", flag)
+        monkeypatch.setattr(lce_torch, "_IN_PLACE", flag)
+        seen.clear()
+        results["jax", flag] = run_jax("triton", *args, **o)
+        assert bool(seen) == flag, f"in_place={flag}: launch aliases {seen}"
+        results["torch", flag] = run_torch(*args, fn=torch_ref.linear_cross_entropy, **o)
+    want = ref_jax(*args, **o)
+    for fw in ("jax", "torch"):
+        got, base = results[fw, True], results[fw, False]
+        assert_close(got[0], base[0], what=f"{fw} loss in place vs not")
+        for g, g0, name in zip(got[2], base[2], ("dh", "dw", "db")):
+            assert_close(g, g0, what=f"{fw} {name} in place vs not")
+        _compare(got, want, 2e-5, 2e-5, f"{fw} in place {path}")
+
+
+def test_public_cross_entropy_never_aliases_the_callers_logits(monkeypatch):
+    """Only linear_cross_entropy's chunks are overwritten: cross_entropy (whose logits belong
+    to the caller, and XLA would copy them to alias them) launches without aliases, also in
+    the recompute backward of return_lse."""
+    seen = _spy_aliases(monkeypatch)
+    x = jax.random.normal(jax.random.key(0), (6, V), jnp.float32)
+    y = jnp.arange(6, dtype=jnp.int32)
+    for lse in (False, True):
+        def f(x, lse=lse):
+            out = jax_fusedloss.cross_entropy(x, y, return_lse=lse, implementation="triton")
+            return jnp.sum(out[0] + 0.5 * out[1]) if lse else out
+
+        jax.jit(jax.grad(f))(x)
+    assert all(name == "scale_rows_kernel" for name, _ in seen), seen  # grad rescaled in place
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -310,10 +420,32 @@ def test_gpu_real_size_and_memory(accumulation):
     col_err = jnp.max(jnp.abs(dw.astype(jnp.float32) - rdw), axis=0)
     assert float(jnp.max(col_err)) <= 3e-2 * float(jnp.max(jnp.abs(rdw))) + 1e-6
     temp = fused.lower(h, w).compile().memory_analysis().temp_size_in_bytes
-    # temporaries: one chunk's logits + gradient (CHUNK_BUDGET_BYTES), plus the float32 dW
-    # accumulator with accumulation="float32"; measured on H100 at this size: 0.50 GiB for
-    # "input" (and 2.23 GiB for float32 at N=8192), against 0.98 GiB for the bf16 logits alone
+    # temporaries: one chunk's logits, overwritten by their gradient (512 rows with "input",
+    # 1024 with "float32": 0.12 / 0.24 GiB), plus the float32 dW accumulator with "float32";
+    # before the gradient was written in place: 0.50 GiB for "input" at C=1024 on H100
+    chunk_bytes = default_chunk_size(n, vocab, d, jnp.bfloat16, accumulation) * vocab * 2
     dw_acc = d * vocab * 4 if accumulation == "float32" else 0
-    budget = dw_acc + CHUNK_BUDGET_BYTES + (64 << 20)
+    budget = dw_acc + chunk_bytes + (64 << 20)
     assert temp <= budget, f"temp {temp / 2**30:.2f} GiB > {budget / 2**30:.2f} GiB"
     assert temp - dw_acc < n * vocab * 2, "temporaries as large as the bf16 logits"
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_gradient_saves_one_chunk_of_logits(monkeypatch):
+    """XLA's buffer assignment with the chunk's gradient aliasing its logits (the default)
+    needs one [C, V] buffer fewer than with a separate gradient buffer (compiled only)."""
+    n, d, vocab, chunk = 4096, 4096, 128256, 512
+    h = jax.ShapeDtypeStruct((n, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((d, vocab), jnp.bfloat16)
+    y = jnp.zeros((n,), jnp.int32)
+    temps = {}
+    for flag in (True, False):
+        monkeypatch.setattr(lce_jax, "_IN_PLACE", flag)
+        fused = jax.jit(jax.value_and_grad(lambda h, w: jax_fusedloss.linear_cross_entropy(
+            h, w, y, chunk_size=chunk, accumulation="input"), (0, 1)))
+        temps[flag] = fused.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+    saved = temps[False] - temps[True]
+    assert saved >= 0.9 * chunk * vocab * 2, (
+        f"in place saves {saved / 2**20:.0f} MiB of temporaries ({temps[True] / 2**20:.0f} vs "
+        f"{temps[False] / 2**20:.0f} MiB); one chunk's logits are {chunk * vocab * 2 / 2**20:.0f}")
+    assert temps[True] <= chunk * vocab * 2 + (64 << 20), temps

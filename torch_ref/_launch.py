@@ -32,10 +32,10 @@ def run_plan(plan, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inputs = [env[i] if isinstance(i, str) else
                   torch.zeros(i.shape, dtype=dtypes[i.dtype], device=x.device)
                   for i in step.inputs]
-        outs = [torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
-                for b in step.outputs]
-        for i, o in step.aliases:  # written in place: the output is the input's storage
-            outs[o] = inputs[i]
+        aliased = {o: i for i, o in step.aliases}  # written in place: the input's storage
+        outs = [inputs[aliased[k]] if k in aliased else
+                torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
+                for k, b in enumerate(step.outputs)]
         launch(step.kernel, step.grid, inputs, step.scalars, outs, step.num_warps,
                step.constexprs)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))

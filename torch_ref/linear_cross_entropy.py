@@ -1,30 +1,46 @@
-"""Fused linear cross-entropy from PyTorch: token chunks, torch matmuls, the same CE kernels."""
+"""Fused linear cross-entropy from PyTorch: token chunks, torch matmuls, the same CE kernels;
+each chunk's logits gradient is written in place over the chunk's logits."""
 from __future__ import annotations
 
 import torch
 
-from torch_ref import _checks
+from jax_fusedloss.kernels import cross_entropy as _ce_plans
+from jax_fusedloss.kernels.linear_ce import chunk_rows
+from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
-from torch_ref.cross_entropy import _bwd, _fwd
 
-CHUNK_BUDGET_BYTES = 512 << 20  # as jax_fusedloss.linear_cross_entropy
+# The chunk's logits gradient overwrites the chunk's logits (as in jax_fusedloss); False only
+# to compare.
+_IN_PLACE = True
 
 
 def default_chunk_size(n: int, vocab: int, dtype: torch.dtype) -> int:
-    """The largest power of two C <= N with C * V * itemsize * 2 within the budget,
-    or N when every token fits (see jax_fusedloss.linear_cross_entropy.default_chunk_size)."""
-    rows = max(1, CHUNK_BUDGET_BYTES // (2 * vocab * torch.empty((), dtype=dtype).element_size()))
-    if n <= rows:
-        return max(n, 1)
-    chunk = 1
-    while chunk * 2 <= rows:
-        chunk *= 2
-    return min(chunk, n)
+    """Tokens per chunk (dW accumulates in float32 here): see
+    jax_fusedloss.linear_cross_entropy.default_chunk_size and kernels/linear_ce.py."""
+    return chunk_rows(n, vocab, torch.empty((), dtype=dtype).element_size(), 4)
+
+
+def _chunk_fwd(z, y, row_scale, o, write_grad):
+    """ce_fwd_plan over one chunk's logits z: (loss, lse, coef, grad or None); grad is z itself
+    (overwritten) when in place."""
+    n, vocab = z.shape
+    plan = _ce_plans.ce_fwd_plan(n, vocab, ignore_index=o[0], smoothing=o[1], z_loss=o[2],
+                                 softcap=o[3], num_sms=_launch.num_sms(z), write_grad=write_grad,
+                                 in_place=_IN_PLACE)
+    outs = _launch.run_plan(plan, x=z, y=y, row_scale=row_scale)
+    return outs if write_grad else outs + (None,)
+
+
+def _chunk_bwd(z, y, lse, coef, softcap):
+    n, vocab = z.shape
+    plan = _ce_plans.ce_bwd_plan(n, vocab, softcap=softcap, num_sms=_launch.num_sms(z),
+                                 in_place=_IN_PLACE)
+    return _launch.run_plan(plan, x=z, y=y, lse=lse, coef=coef)[0]
 
 
 def _logits(h, w, b, layout):
     z = h @ w if layout == "dv" else h @ w.t()  # .t() is a view: no transposed copy
-    return z if b is None else z + b.to(z.dtype)
+    return z if b is None else z.add_(b.to(z.dtype))  # in place: no second [C, V] buffer
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -75,8 +91,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[start:start + chunk]
             sl = slice(start, start + hc.shape[0])
             z = _logits(hc, weight, bias, layout).contiguous()
-            loss_rows[sl], lse[sl], coef[sl], g = _fwd(z, y[sl], row_scale[sl], ignore_index,
-                                                       smoothing, z_loss, softcap, write_grad)
+            loss_rows[sl], lse[sl], coef[sl], g = _chunk_fwd(
+                z, y[sl], row_scale[sl], (ignore_index, smoothing, z_loss, softcap), write_grad)
             if write_grad:
                 _accumulate(hc, weight, g, layout, dh, dw, db, start)
             del z, g
@@ -120,7 +136,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             hc = h[start:start + ctx.chunk]
             sl = slice(start, start + hc.shape[0])
             z = _logits(hc, weight, bias, ctx.layout).contiguous()
-            g = _bwd(z, y[sl], lse[sl], coef[sl].contiguous(), ctx.softcap)
+            g = _chunk_bwd(z, y[sl], lse[sl], coef[sl].contiguous(), ctx.softcap)
             _accumulate(hc, weight, g, ctx.layout, dh, dw, db, start)
             del z, g
         return (None if dh is None else dh.reshape(ctx.hidden_shape),

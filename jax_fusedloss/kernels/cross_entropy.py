@@ -279,11 +279,19 @@ def ce_partials_launch(n: int, vocab: int, softcap, smoothing: float, num_sms: i
 
 
 def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_loss: float,
-                softcap, num_sms: int, write_grad: bool) -> Plan:
+                softcap, num_sms: int, write_grad: bool, in_place: bool = False) -> Plan:
     """x, y, row_scale -> loss, lse, coef [N, 3] (and grad, the unit-cotangent gradient scaled
     by row_scale, with write_grad). Many rows: one program per row, the gradient written in the
-    same program. Few rows: partials per vocabulary slice, a merge, then the gradient pass."""
+    same program. Few rows: partials per vocabulary slice, a merge, then the gradient pass.
+
+    With write_grad and in_place the gradient overwrites x (aliased): for logits that are dead
+    afterwards (linear_cross_entropy's chunks), never a caller's. Safe because every program
+    reads a tile before it writes that tile and no program reads another's tiles: the row
+    kernel reads its whole row for the statistics, then re-reads tile by tile, writing each
+    tile after reading it; on the split path the partials launch (reads only) runs before the
+    gradient launch, which reads and writes its own slice tile by tile."""
     cfg = row_config(n, vocab, num_sms, write_grad)
+    alias = ((0, 3),) if write_grad and in_place else ()
     rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
             Buf("coef", (n, 3), "float32"))
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
@@ -294,18 +302,21 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
             (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0)),
             rows + (grad,), cfg.num_warps,
             dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
-                 WRITE_GRAD=write_grad, **_flags(softcap, smoothing))),), results)
+                 WRITE_GRAD=write_grad, **_flags(softcap, smoothing)), aliases=alias),), results)
     part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
     merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
                    (vocab, ignore_index, smoothing, z_loss), rows, 1,
                    dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
                         HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
-    grad = (ce_bwd_launch(n, vocab, softcap, num_sms),) if write_grad else ()
+    grad = (ce_bwd_plan(n, vocab, softcap=softcap, num_sms=num_sms,
+                        in_place=in_place).launches if write_grad else ())
     return Plan((part, merge) + grad, results)
 
 
-def ce_bwd_plan(n: int, vocab: int, *, softcap, num_sms: int) -> Plan:
-    return Plan((ce_bwd_launch(n, vocab, softcap, num_sms),), ("grad",))
+def ce_bwd_plan(n: int, vocab: int, *, softcap, num_sms: int, in_place: bool = False) -> Plan:
+    """x, y, lse, coef -> grad; with in_place the gradient overwrites x (see ce_fwd_plan)."""
+    launch = ce_bwd_launch(n, vocab, softcap, num_sms)
+    return Plan((launch._replace(aliases=((0, 0),) if in_place else ()),), ("grad",))
 
 
 def ce_partials_plan(n: int, vocab: int, *, softcap, smoothing: float, num_sms: int) -> Plan:
