@@ -12,15 +12,19 @@ gradient in place), `dH_chunk = g W^T` and `dW += h_chunk^T g`. Two costs pull C
   dW at D=4096, V=128256).
 """
 
-# The default chunk's logits stay within this many bytes (the knob between memory and speed;
-# `chunk_size=` overrides it per call): 128 MiB is 512 rows at V=128256 in bf16, whose logits
-# (0.12 GiB) plus the bf16 dH + dW (1.05 GiB) keep N=8192, D=4096 within 1.2 GiB beyond inputs.
+# The default chunk's logits stay within this many bytes (`chunk_size=` overrides it per call):
+# 128 MiB is 512 rows at V=128256 in bf16 ...
 CHUNK_BUDGET_BYTES = 128 << 20
-# ... but a chunk of 16-bit logits keeps at least this many rows per byte of dW's itemsize:
-# 512 rows for a bf16 dW ("input" accumulation), 1024 for a float32 one (the dW update stays
-# compute-bound, see above). float32 logits run float32 matmuls (far fewer flops per second:
+# ... but a chunk of 16-bit logits keeps at least this many rows per byte of dW's itemsize, so
+# the dW update stays compute-bound: 1024 rows for a bf16 dW ("input" accumulation), 2048 for a
+# float32 one. Measured on H100, bf16, N=8192, D=4096, V=128256, fwd+bwd, x the three bare
+# matmuls / peak GiB beyond the inputs (benchmarks/results/linear_ce_h100.csv):
+#   "input":   C=256 1.89x 1.15 | 512 1.32x 1.21 | 1024 1.16x 1.35 | 2048 1.10x 1.61
+#   "float32": C=256 2.80x 3.05 | 512 1.72x 3.05 | 1024 1.29x 3.06 | 2048 1.16x 3.08
+# (the bound above, ~240 flops per byte, was optimistic: at C=512 the bf16 update is still
+# memory-bound in practice). float32 logits run float32 matmuls (far fewer flops per second:
 # no floor).
-MIN_ROWS_PER_DW_BYTE = 256
+MIN_ROWS_PER_DW_BYTE = 512
 
 
 def chunk_rows(n: int, vocab: int, itemsize: int, dw_itemsize: int) -> int:
