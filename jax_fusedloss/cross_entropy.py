@@ -223,6 +223,17 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
 # ----------------------------------------------------------------------------- public API
+def check_ce_options(label_smoothing, z_loss, logit_softcap) -> tuple[float, float,
+                                                                      float | None]:
+    """The cross-entropy options as static floats (shared with distill_loss): label_smoothing
+    in [0, 1], z_loss >= 0, logit_softcap in (0, inf) or None."""
+    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    z_loss = _common.check_static_float(z_loss, "z_loss", lo=0.0)
+    softcap = None if logit_softcap is None else _common.check_static_float(
+        logit_softcap, "logit_softcap", lo=0.0, lo_open=True)
+    return smoothing, z_loss, softcap
+
+
 def cross_entropy(
     logits: jax.Array,
     labels: jax.Array,
@@ -297,10 +308,7 @@ def cross_entropy(
     _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)
-    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
-    z_loss = _common.check_static_float(z_loss, "z_loss", lo=0.0)
-    softcap = None if logit_softcap is None else _common.check_static_float(
-        logit_softcap, "logit_softcap", lo=0.0, lo_open=True)
+    smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     vocab_axis = _common.check_axis_name(vocab_axis)
     opts = CEOptions(ignore_index, reduction, smoothing, z_loss, softcap, bool(return_lse), "",

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss import _common
+from jax_fusedloss.cross_entropy import check_ce_options
 from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
                               prepare_entries, run_rows)
 
@@ -19,6 +20,9 @@ def distill_loss(
     alpha: float,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
     normalize: str = "full",
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
@@ -28,18 +32,29 @@ def distill_loss(
 ) -> jax.Array:
     r"""`alpha * cross_entropy + (1 - alpha) * kd_loss`, reading the student logits once.
 
-    Per token with label :math:`y`, logits :math:`x`, :math:`c = T^2` when
-    `temperature_squared` else 1:
+    Per token with label :math:`y`, logits :math:`x`, :math:`z = c \tanh(x / c)` when
+    `logit_softcap=c` is set (else :math:`z = x`), :math:`\mathrm{lse} = \log\sum_j e^{z_j}`,
+    :math:`\epsilon` = `label_smoothing`, :math:`\lambda_z` = `z_loss` and
+    :math:`c_T = T^2` when `temperature_squared` else 1:
 
     .. math::
-        \ell = \alpha \, (\mathrm{logsumexp}(x) - x_y) + (1 - \alpha)\, c\, \mathrm{KL}_T
+        \ell = \alpha \, \mathrm{CE}(z, y) + (1 - \alpha)\, c_T\, \mathrm{KL}_T(z), \qquad
+        \mathrm{CE} = (1-\epsilon)(\mathrm{lse} - z_y)
+            + \epsilon(\mathrm{lse} - \tfrac{1}{V}\sum_j z_j) + \lambda_z \mathrm{lse}^2
 
-    where :math:`\mathrm{KL}_T` is `kd_loss`'s per-token value at temperature T (the
-    cross-entropy is always at temperature 1). One Triton program walks a row once, keeping two
-    online softmaxes (of x and of x / T; one when T = 1), and under differentiation writes
-    the combined gradient :math:`\alpha\,\partial\mathrm{CE} + (1-\alpha)\,c\,\partial
-    \mathrm{KL}_T` in the same program, so forward + backward read the logits once and write
-    the gradient once.
+    where CE is `cross_entropy`'s per-token loss of z (temperature 1) and
+    :math:`\mathrm{KL}_T(z)` is `kd_loss`'s per-token value for the student logits z at
+    temperature T. The softcap transforms the logits both terms see and comes first: the KD
+    term's student log-probabilities are `log_softmax(z / T)`, i.e. the temperature divides
+    the capped logits (the cap is part of the model's logits, as in Gemma 2; the temperature
+    is the distillation's). Label smoothing and the z-loss belong to the cross-entropy term
+    only. With all three at their defaults this is
+    :math:`\alpha(\mathrm{logsumexp}(x) - x_y) + (1-\alpha) c_T \mathrm{KL}_T(x)`.
+
+    One Triton program walks a row once, keeping two online softmaxes (of z and of z / T; one
+    when T = 1), and under differentiation writes the combined gradient
+    :math:`\alpha\,\partial\mathrm{CE} + (1-\alpha)\,c_T\,\partial\mathrm{KL}_T` in the
+    same program, so forward + backward read the logits once and write the gradient once.
 
     The :math:`T^2` factor (Hinton et al., 2015) keeps the KD gradient's scale independent of
     T; it is off by default and applied only when `temperature_squared=True`.
@@ -63,6 +78,10 @@ def distill_loss(
       alpha: weight of the cross-entropy, in [0, 1].
       temperature: T > 0 (a Python float) of the KD term.
       ignore_index: label value whose tokens are skipped.
+      label_smoothing: epsilon in [0, 1] of the cross-entropy term (as `cross_entropy`).
+      z_loss: coefficient of `lse**2` in the cross-entropy term, >= 0 (as `cross_entropy`).
+      logit_softcap: c > 0 for `z = c * tanh(student_logits / c)`, the logits both terms see,
+        or None (as `cross_entropy`).
       normalize: "full" or "topk" (see `kd_loss`).
       reduction: "mean", "sum" or "none".
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
@@ -77,7 +96,7 @@ def distill_loss(
 
     Raises:
       TypeError / ValueError at trace time for bad shapes, dtypes or options (as `kd_loss`,
-      plus labels and alpha).
+      plus labels, alpha and the cross-entropy options).
 
     Example:
       >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -95,6 +114,7 @@ def distill_loss(
     t = check_options(temperature, normalize, reduction, num_items, implementation)
     alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
+    smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     lead = labels.shape
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
                                 _common.vocab_size(student_logits, vocab_axis))
@@ -111,6 +131,6 @@ def distill_loss(
         kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
     opts = KDOptions(t, normalize, reduction, True, int(ignore_index), "",
-                     _common.check_axis_name(vocab_axis))
+                     _common.check_axis_name(vocab_axis), smoothing, z_loss, softcap)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -27,6 +27,11 @@ class KDOptions(NamedTuple):
     ignore_index: int
     implementation: str
     vocab_axis: str | tuple[str, ...] | None = None
+    # distill_loss's cross-entropy options (cross_entropy's meaning): smoothing and z-loss of
+    # the cross-entropy term; the softcap of the logits both terms see (kd_loss: the defaults).
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -38,7 +43,8 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
         return kd.kd_fwd_plan(n, vocab, ids.shape[-1], temperature=opts.temperature,
                               normalize=opts.normalize, distill=opts.distill,
                               ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
-                              write_grad=write_grad)
+                              write_grad=write_grad, smoothing=opts.smoothing,
+                              z_loss=opts.z_loss, softcap=opts.softcap)
 
     return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
                                 row_scale)
@@ -46,21 +52,20 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
 
 # ----------------------------------------------------------------------------- row functions
 def _vp_gathers(x, ids, y, opts: KDOptions, axes):
-    """Slice offset, global vocabulary, merged lses, x[ids] and x[y] of a vocabulary slice."""
-    vocab = x.shape[1]
+    """Slice offset, global vocabulary, merged lses and sum of z (or None), x[ids] and x[y]
+    of a vocabulary slice."""
+    vocab, k = x.shape[1], ids.shape[1]
     off = _sharding.slice_offset(vocab, axes)
-    lses = _xla_kd.vocab_lse(x, _xla_kd.lse_scales(opts)) if _xla_kd.lse_scales(opts) else ()
+    lses, sumz = _xla_kd.vocab_stats(x, opts) if _xla_kd.lse_scales(opts) else ((), None)
     xk = _xla_kd.slice_gather(x, ids, off)
     xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
-    ones = [jnp.ones_like(a) for a in lses]
-    merged = [_sharding.merge_across(axes, a, o, sums=(xy, *xk.T) if i == 0 else ())
-              for i, (a, o) in enumerate(zip(lses, ones))]
-    if merged:
-        xy, xk = merged[0][3], jnp.stack(merged[0][4:], axis=1)
-    else:
-        xy, xk = jax.lax.psum((xy, xk), axes)
+    sums = (xy, *xk.T) + (() if sumz is None else (sumz,))
+    merged = [_sharding.merge_across(axes, a, jnp.ones_like(a), sums=sums if i == 0 else ())
+              for i, a in enumerate(lses)]
+    sums = merged[0][3:] if merged else jax.lax.psum(sums, axes)
     lses = tuple(_xla_chunks.lse_from_stats(m[0], m[1]) for m in merged)
-    return off, _sharding.global_vocab(vocab, axes), lses, xk, xy
+    return (off, _sharding.global_vocab(vocab, axes), lses,
+            None if sumz is None else sums[-1], jnp.stack(sums[1:k + 1], axis=1), sums[0])
 
 
 def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
@@ -83,11 +88,12 @@ def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
             return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
 
     def fwd_vp(x, ids, lp, y, rs, axes):
-        _, vocab, lses, xk, xy = _vp_gathers(x, ids, y, opts, axes)
-        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, lses=lses, xk=xk, xy=xy)
+        _, vocab, lses, sumz, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, lses=lses, sumz=sumz,
+                                xk=xk, xy=xy)
 
     def bwd_vp(x, ids, lp, y, stats, axes):
-        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+        off, vocab, _, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
         return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
 
     def fwd_grad_vp(x, ids, lp, y, rs, axes):

@@ -70,7 +70,8 @@ def ops(n: int, vocab: int, k: int, dtype):
             vocab_axis=va), (ids, lp)),
         "distill_loss": (lambda x, a, impl, va, r: jfl.distill_loss(
             x, a[2], a[0], a[1], alpha=0.3, temperature=1.5, reduction="sum",
-            implementation=impl, vocab_axis=va), (ids, lp, labels)),
+            label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0, implementation=impl,
+            vocab_axis=va), (ids, lp, labels)),
     }
     return table
 

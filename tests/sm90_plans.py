@@ -66,14 +66,16 @@ def _reductions():
 
 
 def _kd():
-    options = (("full", False, 2.0), ("topk", False, 1.0), ("full", True, 1.0),
-               ("full", True, 2.0), ("topk", True, 2.0))
+    ce_opts = dict(smoothing=0.1, z_loss=1e-4, softcap=30.0)  # distill_loss's CE options
+    options = (("full", False, 2.0, {}), ("topk", False, 1.0, {}), ("full", True, 1.0, {}),
+               ("full", True, 2.0, {}), ("topk", True, 2.0, {}), ("full", True, 1.0, ce_opts),
+               ("full", True, 2.0, ce_opts), ("topk", True, 2.0, ce_opts))
     types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32")
-    for dt, (n, v), (normalize, distill, t), write_grad in itertools.product(
+    for dt, (n, v), (normalize, distill, t, extra), write_grad in itertools.product(
             DTYPES, SHAPES[:2], options, (True, False)):
         yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
                                          distill=distill, ignore_index=-100, num_sms=SMS,
-                                         write_grad=write_grad), dt, types)
+                                         write_grad=write_grad, **extra), dt, types)
     for k in (1, 128):
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,

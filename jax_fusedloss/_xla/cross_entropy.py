@@ -24,24 +24,30 @@ def slice_stats(x, y, opts):
     return m, s, sumz, jnp.where(inside, zy, 0.0)
 
 
+def coefs(lse, bad, scale, opts, vocab: int):
+    """Gradient coefficients (a, b, c) [N] for row weights `scale` (0 at ignored rows) from an
+    lse whose +inf is already poisoned: `a` is NaN for a bad label or a NaN lse, which makes the
+    whole gradient row NaN (see kernels/_ce_core.py)."""
+    eps, zl = opts.smoothing, opts.z_loss
+    a = scale * (1.0 + 2.0 * zl * lse) if zl > 0 else scale
+    a = jnp.where(bad | jnp.isnan(lse), jnp.nan, a)
+    return a, scale * (1.0 - eps), scale * eps / vocab
+
+
 def finish(lse, zy, sumz, y, row_scale, opts, vocab: int):
     """Per-row (loss, coef[N, 3]) from a row's lse, z[y] and sum z over all `vocab` columns."""
     ignored, bad = label_state(y, vocab, opts.ignore_index)
     lse = poison_inf(lse)  # NaN/+inf policy: NaN loss and gradient row, see kernels
     eps, zl = opts.smoothing, opts.z_loss
     loss = (1.0 - eps) * (lse - zy)
-    scale = jnp.where(ignored, 0.0, row_scale)
-    a = scale
     if eps > 0:
         loss = loss + eps * (lse - sumz / vocab)
     if zl > 0:
         loss = loss + zl * lse * lse
-        a = scale * (1.0 + 2.0 * zl * lse)
-    nonfinite = jnp.isnan(lse)
-    loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, jnp.where(nonfinite, jnp.nan, loss)))
-    a = jnp.where(bad | nonfinite, jnp.nan, a)  # a NaN `a` makes the whole gradient row NaN
-    coef = jnp.stack([a, scale * (1.0 - eps), scale * eps / vocab], axis=1)
-    return loss, coef
+    loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, jnp.where(jnp.isnan(lse), jnp.nan,
+                                                                     loss)))
+    a, b, c = coefs(lse, bad, jnp.where(ignored, 0.0, row_scale), opts, vocab)
+    return loss, jnp.stack([a, b, c], axis=1)
 
 
 def rows_fwd(x, y, row_scale, opts):

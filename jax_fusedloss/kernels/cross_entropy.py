@@ -6,6 +6,8 @@ Per row, with z = softcap * tanh(x / softcap) (or z = x), lse = logsumexp(z), ep
     a = scale * (1 + 2 * z_loss * lse), b = scale * (1 - eps), c = scale * eps / V,
 where `scale` is the per-row gradient scale (0 for ignored rows). A label outside [0, V) that
 is not ignore_index gives NaN loss and a NaN gradient row; it is never used as an address.
+The statistics walk, the row finish and (a, b, c) are kernels/_ce_core.py's, shared with the
+distillation kernels (kernels/kd.py).
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
 launch them identically. Imports triton only.
@@ -15,64 +17,9 @@ import triton.language as tl
 
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
-from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
-                                           load_tile_hint, merge_stats, poison_inf, stats_to_lse,
-                                           tile_update)
-
-
-@triton.jit
-def _label_state(labels_ptr, row, V, ignore_index):
-    label = tl.load(labels_ptr + row).to(tl.int32)
-    ignored = label == ignore_index
-    bad = (~ignored) & ((label < 0) | (label >= V))
-    return label, ignored, bad
-
-
-@triton.jit
-def _ce_slice_stats(row_ptr, label, start, stop, inv_temp, softcap,
-                    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                    EVICTION: tl.constexpr):
-    """(max, sum exp(z - max), sum z, z[label] if label in [start, stop) else 0) of one slice."""
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    sumz = tl.zeros([], tl.float32)
-    for off in range(start, stop, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < stop
-        z, _ = load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, EVICTION)
-        m, s = tile_update(m, s, z)
-        if HAS_SMOOTHING:
-            sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
-    in_slice = (label >= start) & (label < stop)
-    zy, _ = load_tile(row_ptr, tl.where(in_slice, label, start), in_slice, inv_temp, softcap,
-                      HAS_SOFTCAP)
-    zy = tl.where(in_slice, zy, 0.0)
-    return m, s, sumz, zy
-
-
-@triton.jit
-def _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
-                   HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """Per-row loss and the unit-cotangent gradient coefficients (a, b, c).
-
-    A bad label, or an lse that is NaN or +inf (a NaN or +inf logit), makes `a` NaN, which
-    turns the whole gradient row NaN without a per-element check in the gradient loop (also
-    for an ignored row, as autodiff of the naive formula gives); the loss is NaN too unless
-    the row is ignored."""
-    lse = poison_inf(lse)
-    loss = (1.0 - smoothing) * (lse - zy)
-    a = scale
-    if HAS_SMOOTHING:
-        loss += smoothing * (lse - sumz / V)
-    if HAS_ZLOSS:
-        loss += z_loss * lse * lse
-        a = scale * (1.0 + 2.0 * z_loss * lse)
-    nonfinite = lse != lse
-    loss = tl.where(nonfinite, float("nan"), loss)
-    loss = tl.where(ignored, 0.0, loss)
-    loss = tl.where(bad, float("nan"), loss)
-    a = tl.where(bad | nonfinite, float("nan"), a)
-    return loss, a, scale * (1.0 - smoothing), scale * smoothing / V
+from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, slice_stats
+from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials,
+                                           load_tile_hint, merge_stats, stats_to_lse)
 
 
 @triton.jit
@@ -102,10 +49,10 @@ def _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V, ignor
                          HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
     """Finishes a row from its statistics, stores loss, lse and coef = (a, b, c), returns the
     coefficients (shared by the row path and the split merge)."""
-    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+    label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
     scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
-    loss, a, b, c = _ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
-                                   HAS_SMOOTHING, HAS_ZLOSS)
+    loss, a, b, c = ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                                  HAS_SMOOTHING, HAS_ZLOSS)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
     tl.store(coef_ptr + row * 3, a)
@@ -136,9 +83,10 @@ def ce_fwd_kernel(
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
-    label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
-    m, s, sumz, zy = _ce_slice_stats(row_ptr, label, 0, V, 1.0, softcap, BLOCK_V, HAS_SOFTCAP,
-                                     HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "")
+    label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
+    m, s, _, sumz, zy = slice_stats(row_ptr, label, 0, V, softcap, 1.0, BLOCK_V, HAS_SOFTCAP,
+                                    HAS_SMOOTHING, True, False,
+                                    "evict_last" if WRITE_GRAD else "")
     lse = stats_to_lse(m, s)
     a, b, c = _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V,
                                    ignore_index, smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
@@ -169,8 +117,8 @@ def ce_partial_kernel(
     start = split * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
     label = tl.load(labels_ptr + row).to(tl.int32)
-    m, s, sumz, zy = _ce_slice_stats(logits_ptr + row * stride_row, label, start, stop, 1.0,
-                                     softcap, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, "")
+    m, s, _, sumz, zy = slice_stats(logits_ptr + row * stride_row, label, start, stop, softcap,
+                                    1.0, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, True, False, "")
     out = part_ptr + (row * num_splits + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)

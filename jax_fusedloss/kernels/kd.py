@@ -1,20 +1,24 @@
 """Top-K distillation kernels (kd_loss, distill_loss): forward, split statistics, backward.
 
 One row holds the student logits x[V], the teacher's K entries (id_k, lp_k) and, for
-distill_loss, a label y. With s = x * inv_temp, p_k = exp(lp_k), an entry valid when
-0 <= id_k < V (the launchers map masked entries to id -1) and P = sum of valid p_k:
+distill_loss, a label y. With z = c * tanh(x / c) (logit_softcap c; z = x without one), s = z / T
+(the softcap first, then the temperature), p_k = exp(lp_k), an entry valid when 0 <= id_k < V
+(the launchers map masked entries to id -1) and P = sum of valid p_k:
     L  = logsumexp(s) (FULL)  or  logsumexp of s[id_k] over valid k ("topk", FULL=False)
     kd = sum over valid k with p_k > 0 of p_k * (lp_k - (s[id_k] - L))
-    ce = logsumexp(x) - x[y]     (DISTILL only; y follows cross_entropy's label rules)
+    ce = cross_entropy's row loss of z (label y, smoothing, z-loss; DISTILL only)
     loss = ce_a * ce + kd_a * kd, where (ce_a, kd_a) are the row's weights (row_scale)
 Every entry is its own term, so an id repeated in a row counts once per entry. The gradient
-for a unit cotangent w.r.t. x_j is
-    ce_a * (softmax(x)_j - [j == y]) + kd_a * inv_temp * (P * softmax(s)_j - sum_{id_k = j} p_k)
-with "topk" replacing softmax(s)_j by sum_{id_k = j} exp(s_j - L) (zero away from the ids).
-A row walks its vocabulary once for the statistics; the gradient pass writes the dense part
-tile by tile (backwards, for L2 reuse; one FMA and one exp2 per column and term, no per-column
-label test), then, after a barrier, stores the K id columns and the label column with their
-complete values computed from scratch in float32 (duplicate ids get identical values).
+for a unit cotangent w.r.t. x_j is dz_j/dx_j times
+    a * softmax(z)_j - b * [j == y] - c + kd_a / T * (P * softmax(s)_j - sum_{id_k = j} p_k)
+with (a, b, c) the cross-entropy coefficients for the weight ce_a (none for kd_loss) and
+"topk" replacing softmax(s)_j by sum_{id_k = j} exp(s_j - L) (zero away from the ids). The
+cross-entropy statistics, row finish and (a, b, c) are kernels/_ce_core.py's, as in
+kernels/cross_entropy.py. A row walks its vocabulary once for the statistics; the gradient pass
+writes the dense part tile by tile (backwards, for L2 reuse; one FMA and one exp2 per column
+and term, no per-column label test), then, after a barrier, stores the K id columns and the
+label column with their complete values computed from scratch in float32 (duplicate ids get
+identical values).
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
 launch them identically. Imports triton only.
@@ -22,21 +26,22 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile_hint,
-                                           merge_stats, poison_inf, safe_max, stats_to_lse)
-from jax_fusedloss.kernels.cross_entropy import _label_state
+from jax_fusedloss.kernels._ce_core import (LOG2E, ce_coefs, ce_row_finish, label_state,
+                                            merge_scaled, scaled_lse, slice_stats)
+from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
+                                           load_tile_hint, merge_stats, poison_inf, safe_max,
+                                           stats_to_lse)
 from jax_fusedloss.kernels.launch import merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
-LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _row_state(labels_ptr, row, V, ignore_index, DISTILL: tl.constexpr):
     """(label, active, bad): active is False for a distill row whose label is ignored."""
     if DISTILL:
-        label, ignored, bad = _label_state(labels_ptr, row, V, ignore_index)
+        label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
         active = ~ignored
     else:
         label = tl.full([], -1, tl.int32)
@@ -57,97 +62,81 @@ def _entries(ids_ptr, lp_ptr, row, V, K, active, kk):
 
 
 @triton.jit
-def _gather(x_row, ids, valid):
-    """x[ids] in float32 (0 at invalid lanes, which are not read)."""
-    return tl.load(x_row + tl.where(valid, ids, 0), mask=valid, other=0.0).to(tl.float32)
+def _gather(x_row, ids, valid, softcap, HAS_SOFTCAP: tl.constexpr):
+    """(z[ids], dz/dx there) in float32 (z = 0 at invalid lanes, which are not read)."""
+    z, dz = load_tile(x_row, tl.where(valid, ids, 0), valid, 1.0, softcap, HAS_SOFTCAP)
+    return tl.where(valid, z, 0.0), dz
 
 
 @triton.jit
-def _slice_stats(row_ptr, start, stop, inv_temp, BLOCK_V: tl.constexpr,
-                 CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
-    """Online softmax over [start, stop): the running max m of the raw logits (shared: x / T
-    has its max at the same column) and the sums lx = sum exp(x - m) (CE_STATS) and
-    ls = sum exp((x - m) / T) (KD_STATS), each one FFMA and one exp2 per element.
-
-    logsumexp(x) = m + log(lx) and logsumexp(x / T) = m / T + log(ls).
-    """
-    c_kd = inv_temp * LOG2E
-    m = tl.full([], float("-inf"), tl.float32)
-    lx = tl.zeros([], tl.float32)
-    ls = tl.zeros([], tl.float32)
-    for off in range(start, stop, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        z, _ = load_tile_hint(row_ptr, cols, cols < stop, 1.0, 1.0, False, EVICTION)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        m_safe = safe_max(m_new)
-        if CE_STATS:
-            lx = lx * tl.math.exp2((m - m_safe) * LOG2E) + tl.sum(
-                tl.math.exp2(z * LOG2E - m_safe * LOG2E), axis=0)
-        if KD_STATS:
-            ls = ls * tl.math.exp2((m - m_safe) * c_kd) + tl.sum(
-                tl.math.exp2(z * c_kd - m_safe * c_kd), axis=0)
-        m = m_new
-    return m, lx, m * inv_temp, ls
-
-
-@triton.jit
-def _dense_offsets(lse_x, L, P, ce_a, kd_a, inv_temp, bad, FULL: tl.constexpr,
-                   KD_STATS: tl.constexpr):
-    """Exponent offsets (off_x, off_s) of the dense gradient, coef_x * softmax(x)_j +
-    coef_s * softmax(s)_j = exp2(x_j * LOG2E - off_x) + exp2(x_j * inv_temp * LOG2E - off_s):
-    each coefficient (>= 0; 0 gives offset +inf and a zero term) is folded into its exponent,
-    so a column costs one FMA and one exp2 per term. With FULL and no KD_STATS the temperature
-    is 1 and both softmaxes are one. A bad label makes off_x NaN: a NaN row, no per-column
-    check."""
-    coef_x = ce_a
+def _dense_offsets(lse_x, L, P, a, kd_a, inv_temp, FULL: tl.constexpr, KD_STATS: tl.constexpr):
+    """Exponent offsets and signs of the dense gradient, coef_x * softmax(z)_j +
+    coef_s * softmax(s)_j = sgn_x * exp2(z_j * LOG2E - off_x) + sgn_s * exp2(z_j * inv_temp *
+    LOG2E - off_s): each coefficient's magnitude (0 gives offset +inf and a zero term) is
+    folded into its exponent, so a column costs one FMA and one exp2 per term. With FULL and
+    no KD_STATS the temperature is 1 and both softmaxes are one. A NaN `a` (a bad label, a NaN
+    lse) makes off_x NaN: a NaN row, no per-column check."""
+    coef_x = a
     coef_s = kd_a * inv_temp * P
     if FULL:
         if not KD_STATS:
-            coef_x = ce_a + coef_s
-    off_x = tl.where(bad, float("nan"), safe_max(lse_x) * LOG2E - tl.log2(coef_x))
-    return off_x, safe_max(L) * LOG2E - tl.log2(coef_s)
+            coef_x = a + coef_s
+    off_x = safe_max(lse_x) * LOG2E - tl.log2(tl.abs(coef_x))
+    off_s = safe_max(L) * LOG2E - tl.log2(tl.abs(coef_s))
+    return off_x, tl.where(coef_x < 0.0, -1.0, 1.0), off_s, tl.where(coef_s < 0.0, -1.0, 1.0)
 
 
 @triton.jit
-def _dense_value(z, off_x, off_s, inv_temp, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr):
+def _dense_value(z, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.constexpr,
+                 KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_SMOOTHING: tl.constexpr):
+    """The dense gradient at columns z (dz = dz/dx): (coef_x softmax(z) + coef_s softmax(s)
+    - c) * dz."""
     g = tl.zeros_like(z)
     if CE_STATS:
-        g += tl.math.exp2(z * LOG2E - off_x)
+        g += sgn_x * tl.math.exp2(z * LOG2E - off_x)
     if KD_STATS:
-        g += tl.math.exp2(z * (inv_temp * LOG2E) - off_s)
+        g += sgn_s * tl.math.exp2(z * (inv_temp * LOG2E) - off_s)
+    if HAS_SMOOTHING:
+        g -= c
+    if HAS_SOFTCAP:
+        g = g * dz
     return g
 
 
 @triton.jit
-def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, bad, lse_x, L,
-                P, ce_a, kd_a, inv_temp, start, stop, EVICTION: tl.constexpr,
+def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, lse_x, L, P,
+                a, b, c, kd_a, inv_temp, softcap, start, stop, EVICTION: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-                FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr):
+                FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """Writes the unit-cotangent gradient of columns [start, stop) of one row.
 
-    1. The dense part, coef_x * softmax(x) + coef_s * softmax(s), tile by tile, walking
+    1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile, walking
        backwards (the tiles the statistics pass read last are the likeliest to be in L2);
        zeros without a load when there is none ("topk" kd_loss).
     2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
        entries sharing an id sum their p (and, for "topk", count their q) through a
        [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
-    3. The label column (distill) when it is not a teacher id: dense value - ce_a.
+    3. The label column (distill) when it is not a teacher id: dense value - b.
+    Every column is multiplied by dz/dx with a softcap.
     """
-    off_x, off_s = _dense_offsets(lse_x, L, P, ce_a, kd_a, inv_temp, bad, FULL, KD_STATS)
+    off_x, sgn_x, off_s, sgn_s = _dense_offsets(lse_x, L, P, a, kd_a, inv_temp, FULL, KD_STATS)
     n_tiles = tl.cdiv(stop - start, BLOCK_V)
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
         if DISTILL or KD_STATS:
-            z, _ = load_tile_hint(x_row, cols, mask, 1.0, 1.0, False, EVICTION)
-            g = _dense_value(z, off_x, off_s, inv_temp, DISTILL, KD_STATS)
+            z, dz = load_tile_hint(x_row, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+            g = _dense_value(z, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
+                             HAS_SOFTCAP, HAS_SMOOTHING)
         else:
             g = tl.zeros([BLOCK_V], tl.float32)
         tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
                  eviction_policy=EVICTION)
     tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
     ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
-    xk = _gather(x_row, ids, valid)
+    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p = tl.zeros([BLOCK_K], tl.float32)
     count = tl.zeros([BLOCK_K], tl.float32)
     for j in range(0, K, K_CHUNK):
@@ -156,14 +145,15 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
         same = (ids[:, None] == idj[None, :]) & vj[None, :]
         sum_p += tl.sum(tl.where(same, pj[None, :], 0.0), axis=1)
         count += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
-    q = tl.exp(xk * inv_temp - safe_max(L))
+    q = tl.exp(zk * inv_temp - safe_max(L))
     if FULL:
         g = kd_a * inv_temp * (P * q - sum_p)
     else:
         g = kd_a * inv_temp * (P * count * q - sum_p)
     if DISTILL:
-        g += ce_a * tl.exp(xk - safe_max(lse_x)) - tl.where(ids == label, ce_a, 0.0)
-    g = tl.where(bad, float("nan"), g)
+        g += a * tl.exp(zk - safe_max(lse_x)) - tl.where(ids == label, b, 0.0) - c
+    if HAS_SOFTCAP:
+        g = g * dzk
     own = valid & (ids >= start) & (ids < stop)
     tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
@@ -171,8 +161,12 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
-        zy, _ = load_tile_hint(x_row, tl.where(own_y, y, 0), own_y, 1.0, 1.0, False, "")
-        gy = _dense_value(zy, off_x, off_s, inv_temp, DISTILL, KD_STATS) - ce_a
+        zy, dzy = load_tile_hint(x_row, tl.where(own_y, y, 0), own_y, 1.0, softcap, HAS_SOFTCAP,
+                                 "")
+        gy = _dense_value(zy, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
+                          False, HAS_SMOOTHING) - b
+        if HAS_SOFTCAP:
+            gy = gy * dzy
         tl.store(grad_row_ptr + tl.where(own_y, y, 0), gy.to(grad_row_ptr.dtype.element_ty),
                  mask=own_y)
 
@@ -183,13 +177,14 @@ def kd_fwd_kernel(
     # part [N, NUM_SPLITS, 4] (read only with FROM_PARTS)
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, part_ptr,
     # sizes, strides, options
-    V, K, stride_row, inv_temp, ignore_index,
-    # outputs: loss [N], stats [N, 5] = (lse(x), L, P, ce_a, kd_a), grad [N, V] (WRITE_GRAD)
+    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
+    # outputs: loss [N], stats [N, 5] = (lse(z), L, P, ce_a, kd_a), grad [N, V] (WRITE_GRAD)
     loss_ptr, stats_ptr, grad_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
-    KD_STATS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
@@ -203,29 +198,33 @@ def kd_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = logits_ptr + row * stride_row
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
-    lse_x = tl.full([], float("-inf"), tl.float32)
-    L = tl.full([], float("-inf"), tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    s_kd = tl.zeros([], tl.float32)
+    sumz = tl.zeros([], tl.float32)
     if FROM_PARTS:
-        # partials: (max x, sum exp(x - max), max x/T, sum exp(x/T - max))
+        # partials: (max z, sum exp(z - max), sum exp((z - max) / T), sum z)
         base, ok = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
-        m, sm = merge_stats(load_field(base, ok, 0, True), load_field(base, ok, 1, False))
-        lse_x = stats_to_lse(m, sm)
-        m, sm = merge_stats(load_field(base, ok, 2, True), load_field(base, ok, 3, False))
-        L = stats_to_lse(m, sm)
+        m_i = load_field(base, ok, 0, True)
+        m, s = merge_stats(m_i, load_field(base, ok, 1, False))
+        s_kd = merge_scaled(m_i, load_field(base, ok, 2, False), m, inv_temp)
+        sumz = tl.sum(load_field(base, ok, 3, False), axis=0)
     elif DISTILL or KD_STATS:
-        mx, lx, ms, ls = _slice_stats(x_row, 0, V, inv_temp, BLOCK_V, DISTILL, KD_STATS,
-                                      "evict_last" if WRITE_GRAD else "")
-        lse_x = stats_to_lse(mx, lx)
-        L = stats_to_lse(ms, ls)
+        m, s, s_kd, sumz, _ = slice_stats(x_row, -1, 0, V, softcap, inv_temp, BLOCK_V,
+                                          HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS,
+                                          "evict_last" if WRITE_GRAD else "")
+    lse_x = stats_to_lse(m, s)
+    L = scaled_lse(m, s_kd, inv_temp)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
-    sk = _gather(x_row, ids, valid) * inv_temp
+    zk, _ = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    sk = zk * inv_temp
     if FULL:
         if not KD_STATS:
             L = lse_x
     else:
-        zk = tl.where(valid, sk, float("-inf"))
-        mk = tl.max(zk, axis=0)
-        L = stats_to_lse(mk, tl.sum(tl.exp(zk - safe_max(mk)), axis=0))
+        sv = tl.where(valid, sk, float("-inf"))
+        mk = tl.max(sv, axis=0)
+        L = stats_to_lse(mk, tl.sum(tl.exp(sv - safe_max(mk)), axis=0))
     # NaN/+inf policy: a NaN or +inf logit in the row gives NaN statistics (poison_inf), so
     # the loss and (through the offsets of _write_grad) the gradient row are NaN; an entry with
     # p == 0 adds nothing, but a NaN teacher log-prob gives a NaN term.
@@ -236,11 +235,17 @@ def kd_fwd_kernel(
     ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
     kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
     loss = kd_a * kd
+    a = 0.0
+    b = 0.0
+    c = 0.0
     if DISTILL:
         in_range = (label >= 0) & (label < V)
-        xy = tl.load(x_row + tl.where(in_range, label, 0), mask=in_range, other=0.0)
-        loss += tl.where(active, ce_a * (lse_x - xy.to(tl.float32)), 0.0)
-    tl.store(loss_ptr + row, tl.where(bad, float("nan"), loss))
+        zy, _ = load_tile(x_row, tl.where(in_range, label, 0), in_range, 1.0, softcap,
+                          HAS_SOFTCAP)
+        ce, a, b, c = ce_row_finish(lse_x, tl.where(in_range, zy, 0.0), sumz, V, smoothing,
+                                    z_loss, ~active, bad, ce_a, HAS_SMOOTHING, HAS_ZLOSS)
+        loss += ce_a * ce  # NaN for a bad label even where ce_a is 0
+    tl.store(loss_ptr + row, loss)
     out = stats_ptr + row * 5
     tl.store(out, lse_x)
     tl.store(out + 1, L)
@@ -249,8 +254,8 @@ def kd_fwd_kernel(
     tl.store(out + 4, kd_a)
     if WRITE_GRAD:
         _write_grad(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label,
-                    bad, lse_x, L, P, ce_a, kd_a, inv_temp, 0, V, "evict_first", BLOCK_V,
-                    BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS)
+                    lse_x, L, P, a, b, c, kd_a, inv_temp, softcap, 0, V, "evict_first", BLOCK_V,
+                    BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -258,12 +263,14 @@ def kd_partial_kernel(
     # pointers
     logits_ptr,
     # sizes, strides, options
-    V, stride_row, inv_temp,
-    # outputs: float32 [N, NUM_SPLITS, 4] = (max x, sum, max s, sum)
+    V, stride_row, inv_temp, softcap,
+    # outputs: float32 [N, NUM_SPLITS, 4] = (max z, sum exp(z - max), sum exp((z - max) / T),
+    # sum z)
     part_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, CE_STATS: tl.constexpr,
-    KD_STATS: tl.constexpr, ALIGN: tl.constexpr,
+    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Split path, grid (N, NUM_SPLITS): partial online-softmax statistics of one slice."""
     V = hint_multiple(V, ALIGN)
@@ -271,14 +278,15 @@ def kd_partial_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * SPLIT_V
-    mx, lx, ms, ls = _slice_stats(logits_ptr + row * stride_row, start,
-                                  tl.minimum(start + SPLIT_V, V), inv_temp, BLOCK_V, CE_STATS,
-                                  KD_STATS, "")
+    m, s, s_kd, sumz, _ = slice_stats(logits_ptr + row * stride_row, -1, start,
+                                      tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
+                                      BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                      "")
     out = part_ptr + (row * tl.num_programs(1) + split) * 4
-    tl.store(out, mx)
-    tl.store(out + 1, lx)
-    tl.store(out + 2, ms)
-    tl.store(out + 3, ls)
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, s_kd)
+    tl.store(out + 3, sumz)
 
 
 @triton.jit
@@ -286,50 +294,56 @@ def kd_bwd_kernel(
     # pointers
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr,
     # sizes, strides, options
-    V, K, stride_row, inv_temp, ignore_index,
+    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
     # outputs
     grad_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
-    """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics; only the
-    program whose slice holds an id stores that id's column."""
+    """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics (the
+    cross-entropy coefficients recomputed from lse and ce_a); only the program whose slice
+    holds an id stores that id's column."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
-    x_row = logits_ptr + row * stride_row
-    grad_row = grad_ptr + row * V
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     st = stats_ptr + row * 5
     lse_x = tl.load(st)
     L = tl.load(st + 1)
     P = tl.load(st + 2)
-    ce_a = tl.load(st + 3)
     kd_a = tl.load(st + 4)
-    _write_grad(x_row, grad_row, ids_ptr, logprobs_ptr, row, V, K, active, label, bad, lse_x, L,
-                P, ce_a, kd_a, inv_temp, start, stop, "", BLOCK_V, BLOCK_K, K_CHUNK, FULL,
-                DISTILL, KD_STATS)
+    a = 0.0
+    b = 0.0
+    c = 0.0
+    if DISTILL:
+        a, b, c = ce_coefs(lse_x, V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
+    _write_grad(logits_ptr + row * stride_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row,
+                V, K, active, label, lse_x, L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
+                "", BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
+                HAS_SMOOTHING)
 
 
-def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int) -> dict:
-    """The compile-time switches shared by the three kernels, a pure function of the options.
+def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int,
+                  softcap: float | None = None, smoothing: float = 0.0,
+                  z_loss: float = 0.0) -> dict:
+    """The compile-time switches of kd_fwd_kernel and kd_bwd_kernel, a pure function of the
+    options.
 
-    KD_STATS: the KD term needs its own online softmax of s = x / T over the vocabulary; a
+    KD_STATS: the KD term needs its own online softmax of s = z / T over the vocabulary; a
     distill_loss at T = 1 shares the cross-entropy's instead (one exp per element, not two).
     BLOCK_K: the teacher entries of a row held in registers at once (a power of two >= 16).
+    HAS_SMOOTHING, HAS_ZLOSS: options of the cross-entropy term (distill_loss only).
     """
     full = normalize == "full"
     return dict(BLOCK_K=max(16, triton.next_power_of_2(k)), K_CHUNK=DUP_CHUNK, FULL=full,
-                DISTILL=bool(distill), KD_STATS=full and not (distill and temperature == 1.0))
-
-
-def bwd_constexprs(flags: dict) -> dict:
-    """The switches of kd_constexprs that kd_bwd_kernel takes."""
-    return {f: flags[f] for f in ("BLOCK_K", "K_CHUNK", "FULL", "DISTILL", "KD_STATS")}
+                DISTILL=bool(distill), KD_STATS=full and not (distill and temperature == 1.0),
+                HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=bool(distill) and smoothing > 0,
+                HAS_ZLOSS=bool(distill) and z_loss > 0)
 
 
 def needs_vocab_pass(flags: dict) -> bool:
@@ -339,25 +353,31 @@ def needs_vocab_pass(flags: dict) -> bool:
 
 # ----------------------------------------------------------------------------- launch plans
 def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: str,
-                distill: bool, ignore_index: int, num_sms: int, write_grad: bool) -> Plan:
+                distill: bool, ignore_index: int, num_sms: int, write_grad: bool,
+                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None
+                ) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, 5] (and grad, the unit-cotangent
     gradient, with write_grad). Many rows: one program per row walks the vocabulary once and
     writes the gradient; few rows: partials per vocabulary slice (when the options need a
-    vocabulary walk), one program per row merges them, then a split gradient pass."""
+    vocabulary walk), one program per row merges them, then a split gradient pass.
+    smoothing and z_loss apply to distill's cross-entropy term, softcap to the logits both
+    terms see."""
     cfg = row_config(n, vocab, num_sms, write_grad)
-    flags = kd_constexprs(normalize, distill, temperature, k)
+    flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
     inv_temp = 1.0 / temperature
-    scalars = (vocab, k, vocab, inv_temp, ignore_index)
+    cap = float(softcap or 1.0)
+    scalars = (vocab, k, vocab, inv_temp, ignore_index, float(smoothing), float(z_loss), cap)
     fused = cfg.num_splits == 1
     launches = []
     part, splits = "row_scale", 1  # part is not read unless it holds split partials
     if not fused and needs_vocab_pass(flags):
         part, splits = "part", cfg.num_splits
         launches.append(Launch(
-            kd_partial_kernel, (n, splits), ("x",), (vocab, vocab, inv_temp),
+            kd_partial_kernel, (n, splits), ("x",), (vocab, vocab, inv_temp, cap),
             (Buf("part", (n, splits, 4), "float32"),), cfg.num_warps,
             dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                 CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"])))
+                 CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"],
+                 HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"])))
     write_here = write_grad and fused
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     launches.append(Launch(
@@ -375,5 +395,4 @@ def kd_bwd_launch(n, vocab, k, scalars, flags, cfg) -> Launch:
     """x, ids, lp, y, stats -> grad (the row weights folded into stats)."""
     return Launch(kd_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats"), scalars,
                   (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
-                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                       **bwd_constexprs(flags)))
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))

@@ -1,0 +1,114 @@
+"""The cross-entropy core shared by the cross_entropy and kd kernel families.
+
+Per row, with z the (softcapped) logits, lse = logsumexp(z), y the label, eps the label
+smoothing and `scale` the row's weight (0 for an ignored row):
+    loss = (1 - eps) * (lse - z[y]) + eps * (lse - mean(z)) + z_loss * lse**2
+    dloss/dz_j = a * softmax(z)_j - b * [j == y] - c,
+    a = scale * (1 + 2 * z_loss * lse), b = scale * (1 - eps), c = scale * eps / V.
+`slice_stats` walks a slice of a row once for the statistics both families need (the max,
+the softmax sum of z and, for distillation, of z / T, the sum of z and z[y]); `ce_row_finish`
+turns the merged statistics into the loss and (a, b, c). A label outside [0, V) that is not
+ignore_index gives NaN loss and a NaN gradient row; it is never used as an address.
+
+Imports triton only.
+"""
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels._online import load_tile, load_tile_hint, poison_inf, safe_max
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def label_state(labels_ptr, row, V, ignore_index):
+    """(label, ignored, bad): bad for a label outside [0, V) that is not ignore_index."""
+    label = tl.load(labels_ptr + row).to(tl.int32)
+    ignored = label == ignore_index
+    bad = (~ignored) & ((label < 0) | (label >= V))
+    return label, ignored, bad
+
+
+@triton.jit
+def slice_stats(row_ptr, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr,
+                KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
+    """Statistics of z over [start, stop) in one online walk: (m, s, s_kd, sum z, z[label]).
+
+    m is the max of z (the reference of both sums: z / T has its max at the same column),
+    s = sum exp(z - m) (CE_STATS), s_kd = sum exp((z - m) * kd_scale) (KD_STATS), sum z
+    (HAS_SMOOTHING, else 0) and z[label] if label lies in [start, stop) (else 0). The sums
+    are relative to safe_max(m): logsumexp(z) = stats_to_lse(m, s) and
+    logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
+    element; z - m is shared.
+    """
+    c_kd = kd_scale * LOG2E
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    s_kd = tl.zeros([], tl.float32)
+    sumz = tl.zeros([], tl.float32)
+    for off in range(start, stop, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        mask = cols < stop
+        z, _ = load_tile_hint(row_ptr, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        ms = safe_max(m_new)
+        d = z - ms
+        if CE_STATS:
+            s = s * tl.exp(m - ms) + tl.sum(tl.exp(d), axis=0)
+        if KD_STATS:
+            s_kd = s_kd * tl.math.exp2((m - ms) * c_kd) + tl.sum(tl.math.exp2(d * c_kd), axis=0)
+        if HAS_SMOOTHING:
+            sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        m = m_new
+    in_slice = (label >= start) & (label < stop)
+    zy, _ = load_tile(row_ptr, tl.where(in_slice, label, start), in_slice, 1.0, softcap,
+                      HAS_SOFTCAP)
+    return m, s, s_kd, sumz, tl.where(in_slice, zy, 0.0)
+
+
+@triton.jit
+def scaled_lse(m, s, scale):
+    """logsumexp(z * scale) from the max m of z and s = sum exp((z - safe_max(m)) * scale):
+    -inf for a row with no entry above -inf, +inf where m * scale overflows (so that the
+    NaN/+inf policy makes the row NaN, as for z * scale overflowing elementwise) or m is +inf,
+    NaN for a NaN row."""
+    return tl.where(s == 0.0, float("-inf"), safe_max(m) * scale + tl.log(s))
+
+
+@triton.jit
+def merge_scaled(m_i, s_i, m, scale):
+    """Merges partial sums s_i of exp((z - m_i) * scale) (padding lanes m_i = -inf, s_i = 0)
+    into the sum relative to the merged max m: sum_i s_i * exp((m_i - safe_max(m)) * scale)."""
+    return tl.sum(s_i * tl.math.exp2((m_i - safe_max(m)) * (scale * LOG2E)), axis=0)
+
+
+@triton.jit
+def ce_coefs(lse, V, smoothing, z_loss, bad, scale, HAS_ZLOSS: tl.constexpr):
+    """Gradient coefficients (a, b, c) of a row (see the module docstring) from its lse (with
+    +inf already poisoned to NaN): a is NaN for a bad label or a NaN lse, which turns the whole
+    gradient row NaN without a per-element check (also for an ignored row, as autodiff of the
+    naive formula gives)."""
+    a = scale
+    if HAS_ZLOSS:
+        a = scale * (1.0 + 2.0 * z_loss * lse)
+    a = tl.where(bad | (lse != lse), float("nan"), a)
+    return a, scale * (1.0 - smoothing), scale * smoothing / V
+
+
+@triton.jit
+def ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+                  HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """Per-row loss (unweighted: 0 for an ignored row, NaN for a bad label or a NaN or +inf
+    lse) and the gradient coefficients (a, b, c) for the row weight `scale`."""
+    lse = poison_inf(lse)
+    loss = (1.0 - smoothing) * (lse - zy)
+    if HAS_SMOOTHING:
+        loss += smoothing * (lse - sumz / V)
+    if HAS_ZLOSS:
+        loss += z_loss * lse * lse
+    loss = tl.where(lse != lse, float("nan"), loss)
+    loss = tl.where(ignored, 0.0, loss)
+    loss = tl.where(bad, float("nan"), loss)
+    a, b, c = ce_coefs(lse, V, smoothing, z_loss, bad, scale, HAS_ZLOSS)
+    return loss, a, b, c
