@@ -1,12 +1,13 @@
 """Test set-up: Triton's interpreter on machines without a GPU, the `gpu` marker elsewhere."""
 import os
 
-# The library's own probe (JAX's default backend is a CUDA GPU), shared with the tests. It
-# imports jax but not triton: TRITON_INTERPRET must be set before anything imports triton
-# (one interpreter mode per process).
+# The library's own probe (JAX's default backend is a CUDA GPU), the one every test asks
+# (tests.helpers.HAS_GPU): where it says yes, implementation=None and "triton" run the compiled
+# kernels, so the tests do too. It imports jax but not triton: TRITON_INTERPRET must be set
+# before anything imports triton (one interpreter mode per process).
 from jax_fusedloss._triton_jax import on_cuda_gpu
 
-HAS_GPU = os.environ.get("TRITON_INTERPRET") != "1" and on_cuda_gpu()
+HAS_GPU = on_cuda_gpu()
 if not HAS_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -6,6 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from jax_fusedloss._triton_jax import on_cuda_gpu
+
+# The one environment probe (the library's, as in conftest.py): a CUDA GPU runs the compiled
+# kernels, anything else Triton's interpreter; torch tensors of the torch_ref tests live on DEVICE.
+HAS_GPU = on_cuda_gpu()
+DEVICE = "cuda" if HAS_GPU else "cpu"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Values (losses, lse) are accumulated in float32 from the exact input values, so they are

@@ -10,6 +10,7 @@ import torch
 import jax_fusedloss
 import torch_ref
 from tests.helpers import VALUE_RTOL, assert_close, assert_grad_close
+from tests.reference import torch_oracle
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -30,8 +31,8 @@ def _jax(t):
 def _reference(x, y, rows, **opts):
     """float64 plain-PyTorch loss ('none') and gradient of sum(loss) on a subset of rows."""
     xr = x[rows].double().requires_grad_(True)
-    loss = torch_ref.cross_entropy_reference(xr, y[rows], reduction="none", dtype=torch.float64,
-                                             **opts)
+    loss = torch_oracle.cross_entropy_reference(xr, y[rows], reduction="none",
+                                                dtype=torch.float64, **opts)
     loss.sum().backward()
     return loss.detach(), xr.grad
 

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import jax_fusedloss  # noqa: E402
 import torch_ref  # noqa: E402
 from tests.helpers import assert_close, assert_grad_close  # noqa: E402
+from tests.reference import torch_oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -58,12 +59,12 @@ def _reference(fn, x, ids, lp, mask, y, rows, **opts):
     """float64 per-token loss and the gradient of its sum, on a subset of rows."""
     xr = x[rows].double().requires_grad_(True)
     if fn == "kd":
-        loss = torch_ref.kd_loss_reference(xr, ids[rows], lp[rows], mask[rows], reduction="none",
-                                           dtype=torch.float64, **opts)
+        loss = torch_oracle.kd_loss_reference(xr, ids[rows], lp[rows], mask[rows],
+                                              reduction="none", dtype=torch.float64, **opts)
     else:
-        loss = torch_ref.distill_loss_reference(xr, y[rows].long(), ids[rows], lp[rows],
-                                                mask[rows], reduction="none",
-                                                dtype=torch.float64, **opts)
+        loss = torch_oracle.distill_loss_reference(xr, y[rows].long(), ids[rows], lp[rows],
+                                                   mask[rows], reduction="none",
+                                                   dtype=torch.float64, **opts)
     loss.sum().backward()
     return loss.detach(), xr.grad
 

@@ -2,7 +2,7 @@
 included), dtypes, options, ignore and mask patterns (all-ignored included) and magnitudes
 (scale 0.1..30, offsets up to 1e3). For each drawn case JAX "xla", JAX "triton" (Triton's
 interpreter on the CPU, the compiled kernels on a GPU) and torch_ref must agree with the naive
-formula at float64 (torch_ref's *_reference, differentiated by torch.autograd) in value and
+formula at float64 (tests/reference/torch_oracle.py, differentiated by torch.autograd) in value and
 gradient, and with each other; and these invariants hold:
 
 - gradient row sums: a softmax-gradient row sums to its row's cotangent times what the formula
@@ -32,13 +32,13 @@ import jax_fusedloss
 import torch_ref
 import torch_ref._launch
 from jax_fusedloss import _triton_jax
-from tests.helpers import DTYPES, GRAD_TOL, TORCH_DTYPES, assert_close, to_numpy
+from tests.helpers import DEVICE, DTYPES, GRAD_TOL, TORCH_DTYPES, assert_close, to_numpy
+from tests.reference import torch_oracle
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 given = hypothesis.given
 
-DEVICE = "cuda" if _triton_jax.on_cuda_gpu() else "cpu"  # the probe conftest uses
 IMPLS = ("xla", "triton", "torch_ref")
 OFFSETS = (0.0, -7.5, 100.0, 1e3, -1e3)
 FP16_TINY = 6e-8  # fp16's smallest subnormal: smaller gradient entries flush to 0
@@ -209,7 +209,7 @@ def test_cross_entropy_properties(case, data):
         results["torch_ref"] = value_grad_torch(
             lambda t: torch_ref.cross_entropy(t, yt, **opts), x, dtype, cot)
     ref_value, ref_grad = value_grad_torch(
-        lambda t: torch_ref.cross_entropy_reference(t, torch.from_numpy(y), dtype=torch.float64,
+        lambda t: torch_oracle.cross_entropy_reference(t, torch.from_numpy(y), dtype=torch.float64,
                                                     **opts), x, dtype, cot, ref=True)
     zmax = float(np.abs(x).max()) if opts["logit_softcap"] is None else opts["logit_softcap"]
     lse = np.log(np.exp(x.astype(np.float64) - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)
@@ -246,7 +246,7 @@ def test_kd_and_distill_properties(case, data):
         targs.insert(0, torch.from_numpy(y))
     jfn = jax_fusedloss.distill_loss if distill else jax_fusedloss.kd_loss
     tfn = torch_ref.distill_loss if distill else torch_ref.kd_loss
-    rfn = torch_ref.distill_loss_reference if distill else torch_ref.kd_loss_reference
+    rfn = torch_oracle.distill_loss_reference if distill else torch_oracle.kd_loss_reference
     valid = (ids >= 0) & (ids < v) & (True if mask is None else mask)
     count = max(int(valid.any(-1).sum()), 1)
 
@@ -316,7 +316,7 @@ def test_reductions_properties(case, data):
         results["torch_ref"] = value_grad_torch(stacked_torch, x, dtype, cot)
 
     def reference(s):
-        return torch.stack(torch_ref.reductions_reference(s, yt, temperature=t))
+        return torch.stack(torch_oracle.reductions_reference(s, yt, temperature=t))
 
     ref_value, ref_grad = value_grad_torch(reference, x, dtype, cot, ref=True)
     zmax = float(np.abs(x).max()) / t

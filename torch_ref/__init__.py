@@ -1,9 +1,9 @@
-"""PyTorch path over jax_fusedloss's Triton kernels, and plain-PyTorch reference formulas."""
-from torch_ref.cross_entropy import cross_entropy, cross_entropy_reference
-from torch_ref.kd import distill_loss, distill_loss_reference, kd_loss, kd_loss_reference
+"""The PyTorch frontend of jax_fusedloss: the same Triton kernels and options from
+`torch.autograd.Function`s. (The tests' naive reference formulas live in tests/reference/.)"""
+from torch_ref.cross_entropy import cross_entropy
+from torch_ref.kd import distill_loss, kd_loss
 from torch_ref.linear_cross_entropy import linear_cross_entropy
-from torch_ref.reductions import entropy, logsumexp, reductions_reference, token_logprobs
+from torch_ref.reductions import entropy, logsumexp, token_logprobs
 
-__all__ = ["cross_entropy", "cross_entropy_reference", "logsumexp", "entropy", "token_logprobs",
-           "reductions_reference", "kd_loss", "kd_loss_reference", "distill_loss",
-           "distill_loss_reference", "linear_cross_entropy"]
+__all__ = ["cross_entropy", "logsumexp", "entropy", "token_logprobs", "kd_loss", "distill_loss",
+           "linear_cross_entropy"]

@@ -1,4 +1,4 @@
-"""Cross-entropy from PyTorch over the same Triton kernels, plus a plain-PyTorch formula."""
+"""Cross-entropy from PyTorch over the same Triton kernels."""
 from __future__ import annotations
 
 import torch
@@ -123,34 +123,5 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
         return (loss, logits.new_zeros(lead, dtype=torch.float32)) if return_lse else loss
     loss, lse = _CrossEntropy.apply(logits, labels, ignore_index, reduction, smoothing, z_loss,
                                     logit_softcap, bool(return_lse and torch.is_grad_enabled()))
-    return (loss, lse) if return_lse else loss
-
-
-def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, *,
-                            ignore_index: int = -100, reduction: str = "mean",
-                            label_smoothing: float = 0.0, z_loss: float = 0.0,
-                            logit_softcap: float | None = None, return_lse: bool = False,
-                            dtype: torch.dtype = torch.float32):
-    """The naive formula in plain PyTorch at `dtype` (float32, or float64 as the oracle).
-
-    Materialises the full softmax; for tests. Out-of-range labels give NaN like the kernels.
-    """
-    z = logits.to(dtype)
-    if logit_softcap is not None:
-        z = logit_softcap * torch.tanh(z / logit_softcap)
-    vocab = z.shape[-1]
-    lse = torch.logsumexp(z, dim=-1)
-    ignored = labels == ignore_index
-    bad = ~ignored & ((labels < 0) | (labels >= vocab))
-    zy = torch.gather(z, -1, labels.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
-    loss = (1 - label_smoothing) * (lse - zy) + label_smoothing * (lse - z.mean(dim=-1))
-    if z_loss:
-        loss = loss + z_loss * lse**2
-    loss = torch.where(ignored, torch.zeros_like(loss), loss)
-    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
-    if reduction == "sum":
-        loss = loss.sum()
-    elif reduction == "mean":
-        loss = loss.sum() / (~ignored).sum().clamp(min=1)
     return (loss, lse) if return_lse else loss
 

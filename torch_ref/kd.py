@@ -1,4 +1,4 @@
-"""Top-K distillation from PyTorch over the same Triton kernels, plus plain-PyTorch formulas."""
+"""Top-K distillation from PyTorch over the same Triton kernels."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from jax_fusedloss.kernels import kd as k
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
 from torch_ref._launch import run_plan
-from torch_ref.cross_entropy import cross_entropy_reference, scaled_saved_grad
+from torch_ref.cross_entropy import scaled_saved_grad
 
 
 def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
@@ -164,68 +164,3 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
                      int(ignore_index), reduction, _needs_grad(student_logits))
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
-
-# ----------------------------------------------------------------------------- references
-def kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, mask=None, *,
-                        temperature: float = 1.0, normalize: str = "full",
-                        dtype: torch.dtype = torch.float32):
-    """Per-token KL(teacher || student) over the top-K (the naive formula, at `dtype`) and
-    whether each token has a counting entry. Entries are summed as given: a repeated id
-    counts once per entry (and autograd's gather scatter-adds its gradient)."""
-    s = student_logits.to(dtype) / temperature
-    vocab = s.shape[-1]
-    ids = teacher_ids.long()
-    valid = (ids >= 0) & (ids < vocab)
-    if mask is not None:
-        valid = valid & (mask != 0)
-    sk = torch.gather(s, -1, torch.where(valid, ids, torch.zeros_like(ids)))
-    if normalize == "full":
-        L = torch.logsumexp(s, dim=-1, keepdim=True)
-    else:
-        z = torch.where(valid, sk, torch.full_like(sk, float("-inf")))
-        # Tokens without a counting entry take a finite stand-in (their terms are all zero).
-        L = torch.logsumexp(torch.where(valid.any(-1, keepdim=True), z, torch.zeros_like(z)),
-                            dim=-1, keepdim=True)
-    lp = teacher_logprobs.to(dtype)
-    p = torch.where(valid, lp.exp(), torch.zeros_like(lp))
-    term = torch.where(p > 0, p * (lp - (sk - L)), torch.zeros_like(p))
-    return term.sum(-1), valid.any(-1)
-
-
-def _reduce_reference(per_tok, count, reduction, num_items):
-    if reduction == "none":
-        return per_tok
-    if reduction == "sum":
-        return per_tok.sum()
-    return per_tok.sum() / (num_items if num_items is not None else count.sum().clamp(min=1))
-
-
-def kd_loss_reference(student_logits, teacher_ids, teacher_logprobs, mask=None, *,
-                      temperature: float = 1.0, normalize: str = "full",
-                      reduction: str = "mean", num_items=None,
-                      dtype: torch.dtype = torch.float32):
-    """kd_loss by the naive formula in plain PyTorch (float64 as the tests' oracle)."""
-    per_tok, has_entry = kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, mask,
-                                             temperature=temperature, normalize=normalize,
-                                             dtype=dtype)
-    return _reduce_reference(per_tok, has_entry, reduction, num_items)
-
-
-def distill_loss_reference(student_logits, labels, teacher_ids, teacher_logprobs, mask=None, *,
-                           alpha: float, temperature: float = 1.0, ignore_index: int = -100,
-                           normalize: str = "full", reduction: str = "mean", num_items=None,
-                           temperature_squared: bool = False,
-                           dtype: torch.dtype = torch.float32):
-    """distill_loss by the naive formulas in plain PyTorch (float64 as the tests' oracle)."""
-    active = labels != ignore_index
-    kd_mask = active[..., None] if mask is None else (mask != 0) & active[..., None]
-    kd, has_entry = kd_tokens_reference(student_logits, teacher_ids, teacher_logprobs, kd_mask,
-                                        temperature=temperature, normalize=normalize,
-                                        dtype=dtype)
-    ce = cross_entropy_reference(student_logits, labels, ignore_index=ignore_index,
-                                 reduction="none", dtype=dtype)
-    kd_w = (1.0 - alpha) * (temperature**2 if temperature_squared else 1.0)
-    if reduction != "mean":
-        return _reduce_reference(alpha * ce + kd_w * kd, None, reduction, None)
-    return (alpha * _reduce_reference(ce, active, "mean", num_items)
-            + kd_w * _reduce_reference(kd, has_entry, "mean", num_items))

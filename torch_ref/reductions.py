@@ -1,5 +1,4 @@
-"""Log-sum-exp, entropy and token log-probs from PyTorch over the same Triton kernels, plus
-the plain-PyTorch formulas (the float64 oracle)."""
+"""Log-sum-exp, entropy and token log-probs from PyTorch over the same Triton kernels."""
 from __future__ import annotations
 
 import torch
@@ -85,23 +84,3 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: f
     _, ent, logp = _apply(logits, labels, temperature, return_entropy)
     return (logp, ent) if return_entropy else logp
 
-
-def reductions_reference(logits: torch.Tensor, labels: torch.Tensor | None = None, *,
-                         temperature: float = 1.0, dtype: torch.dtype = torch.float64):
-    """(lse, entropy, logp or None) by the naive formulas in plain PyTorch at `dtype`.
-
-    Materialises the softmax; for tests. -inf logits add nothing to the entropy (and keep
-    autograd finite); out-of-range labels give NaN log-probs like the kernels.
-    """
-    z = logits.to(dtype) / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.softmax(z, dim=-1)
-    finite_z = torch.where(torch.isneginf(z), torch.zeros_like(z), z)
-    ent = lse - (p * finite_z).sum(dim=-1)
-    if labels is None:
-        return lse, ent, None
-    vocab = z.shape[-1]
-    bad = (labels < 0) | (labels >= vocab)
-    zy = torch.gather(z, -1, labels.clamp(0, vocab - 1).long().unsqueeze(-1)).squeeze(-1)
-    logp = torch.where(bad, torch.full_like(lse, float("nan")), zy - lse)
-    return lse, ent, logp
