@@ -54,12 +54,10 @@ def random_logits(key, n: int, v: int, dtype: str) -> jax.Array:
     return _normal(key, n, v, dtype)
 
 
-def _ours(op: str, implementation: str | None) -> Callable | None:
+def _ours(op: str, implementation: str | None) -> Callable:
     import jax_fusedloss
 
-    fn = getattr(jax_fusedloss, op, None)
-    if fn is None:
-        return None
+    fn = getattr(jax_fusedloss, op)
     extra = dict(normalize="full") if op == "kd_loss" else {}
     return lambda *args: fn(*args, implementation=implementation, **extra)
 
@@ -110,14 +108,9 @@ def implementations(op: str, dtype: str, names: set[str] | None,
         if name not in (names or default_ours):
             continue
         try:
-            fn = _ours(op, implementation)
+            impls[name] = _ours(op, implementation)
         except ImportError as e:
             notes.append(f"{name}: import failed ({e})")
-            continue
-        if fn is None:
-            notes.append(f"{name}: jax_fusedloss.{op} does not exist yet; skipped")
-        else:
-            impls[name] = fn
     try:
         baselines = _baselines(op, dtype)
     except ImportError as e:

@@ -99,17 +99,12 @@ def implementations(op: str, names: set[str] | None,
     if wanted("torch_ref", True):
         try:
             import torch_ref
-
-            fn = getattr(torch_ref, op, None)
         except ImportError as e:
-            fn = None
             notes.append(f"torch_ref: import failed ({e}); skipped")
-        if fn is None:
-            notes.append(f"torch_ref: torch_ref.{op} does not exist yet; skipped")
-        elif op == "kd_loss":
-            impls["torch_ref"] = lambda x, ids, lp, fn=fn: fn(x, ids, lp, normalize="full")
         else:
-            impls["torch_ref"] = fn
+            fn = getattr(torch_ref, op)
+            impls["torch_ref"] = (fn if op != "kd_loss" else
+                                  lambda x, ids, lp, fn=fn: fn(x, ids, lp, normalize="full"))
     impls.update({k: f for k, f in _baselines(op).items() if wanted(k, False)})
     if op == "cross_entropy" and wanted("liger", True):
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -294,7 +295,22 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
     return (logp, ent) if return_entropy else logp
 
 
-def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | None = None,
+def _accepts_old_max_keyword(fn):
+    """merge_partials' first argument was named `max` (shadowing the builtin) up to 0.1.0:
+    the old keyword still works, with a DeprecationWarning."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "max" in kwargs:
+            warnings.warn("merge_partials(max=...) is deprecated: the argument is now named "
+                          "`maximum`", DeprecationWarning, stacklevel=2)
+            kwargs["maximum"] = kwargs.pop("max")
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_accepts_old_max_keyword
+def merge_partials(maximum: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | None = None,
                    *, axis: int = -1) -> tuple[jax.Array, ...]:
     r"""Merges partial softmax statistics of disjoint vocabulary slices along `axis`.
 
@@ -314,14 +330,15 @@ def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | N
     differentiable; gradients stay finite at `-inf` entries.
 
     Args:
-      max: `[..., S, ...]` float partial maxima (`-inf` for an empty slice).
-      sumexp: partial sums of `exp(z - max)`, the shape of `max`.
-      shifted_sum: optional partial sums of `(z - max) * exp(z - max)`, the shape of `max`.
-      axis: the axis of `max` that indexes the slices.
+      maximum: `[..., S, ...]` float partial maxima (`-inf` for an empty slice).
+      sumexp: partial sums of `exp(z - maximum)`, the shape of `maximum`.
+      shifted_sum: optional partial sums of `(z - maximum) * exp(z - maximum)`, the shape
+        of `maximum`.
+      axis: the axis of `maximum` that indexes the slices.
 
     Returns:
-      `(max, sumexp)` or, with `shifted_sum`, `(max, sumexp, shifted_sum)`, each with `axis`
-      removed, in float32 (or float64 for float64 inputs).
+      `(maximum, sumexp)` or, with `shifted_sum`, `(maximum, sumexp, shifted_sum)`, each
+      with `axis` removed, in float32 (or float64 for float64 inputs).
 
     Raises:
       ValueError if the shapes differ.
@@ -332,10 +349,10 @@ def merge_partials(max: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | N
       >>> m, s = merge_partials(parts, jnp.ones_like(parts))
       >>> lse = m + jnp.log(s)  # == logsumexp(z)
     """
-    arrays = [a for a in (max, sumexp, shifted_sum) if a is not None]
+    arrays = [a for a in (maximum, sumexp, shifted_sum) if a is not None]
     shapes = [jnp.shape(a) for a in arrays]
     if any(s != shapes[0] for s in shapes):
-        raise ValueError(f"max, sumexp and shifted_sum must share one shape, got {shapes}")
+        raise ValueError(f"maximum, sumexp and shifted_sum must share one shape, got {shapes}")
     dtype = jnp.promote_types(jnp.result_type(*arrays), jnp.float32)  # at least float32
     arrays = [jnp.asarray(a, dtype) for a in arrays]
     return _xla_red.merge_stats(arrays[0], arrays[1], arrays[2] if len(arrays) == 3 else None,

@@ -163,15 +163,9 @@ def test_target_checks_say_met_or_missed(tmp_path):
     assert "issue" not in report.summary_text(rows) + report.markdown(rows)
 
 
-def test_missing_op_or_baseline_is_skipped_with_a_note(monkeypatch):
-    import jax_fusedloss
-
+def test_missing_baseline_is_skipped_with_a_note(monkeypatch):
     from benchmarks import jax_impls
 
-    monkeypatch.delattr(jax_fusedloss, "entropy", raising=False)
-    impls, notes = jax_impls.implementations("entropy", "bf16", None, on_gpu=False)
-    assert set(impls) == {"jnp_fp32"}
-    assert any("jax_fusedloss.entropy" in n for n in notes), notes
     monkeypatch.setitem(sys.modules, "optax", None)  # import optax now fails
     impls, notes = jax_impls.implementations("cross_entropy", "bf16", None, on_gpu=False)
     assert set(impls) == {"jax_fusedloss_xla"}

@@ -238,6 +238,16 @@ def test_merge_partials_of_shard_results_and_grad():
     assert_close(g_ent, jax.grad(h_ref)(z), rtol=1e-4, atol=1e-6, what="sharded entropy grad")
 
 
+def test_merge_partials_old_keyword_is_deprecated():
+    """The first argument was `max` up to 0.1.0: still accepted, with a DeprecationWarning."""
+    m, s = random_logits(21, (2, 3), "float32"), jnp.ones((2, 3))
+    with pytest.warns(DeprecationWarning, match="maximum"):
+        old = jax_fusedloss.merge_partials(max=m, sumexp=s)
+    new = jax_fusedloss.merge_partials(maximum=m, sumexp=s)
+    for a, b in zip(old, new):
+        assert_close(a, b, what="max= vs maximum=")
+
+
 X = spec((4, 10))
 BAD_INPUTS = [
     (jax_fusedloss.logsumexp, (spec(()),), {}, ValueError, "logits.shape"),

@@ -1,5 +1,6 @@
 """The PyTorch frontend of jax_fusedloss: the same Triton kernels and options from
-`torch.autograd.Function`s. (The tests' naive reference formulas live in tests/reference/.)"""
+`torch.autograd.Function` classes. (The tests' naive reference formulas live in
+tests/reference/.)"""
 from torch_ref.cross_entropy import cross_entropy
 from torch_ref.kd import distill_loss, kd_loss
 from torch_ref.linear_cross_entropy import linear_cross_entropy
