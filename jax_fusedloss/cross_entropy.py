@@ -1,13 +1,14 @@
-"""Fused cross-entropy: public function, validation, custom_vjp and the Triton launches."""
+"""Fused cross-entropy: public function, validation, its op hooks and the Triton launches."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss import _common, _op, _sharding, _triton_jax
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import cross_entropy as _xla_ce
 from jax_fusedloss._xla import reductions as _xla_red
@@ -129,7 +130,7 @@ def _call(opts: CEOptions, role: str, *arrays):
     return _sharding.run(functools.partial(_row_fns, opts), opts, role, *arrays)
 
 
-# ----------------------------------------------------------------------------- custom_vjp
+# ----------------------------------------------------------------------------- the op
 def _denominator(y, opts: CEOptions):
     if opts.reduction != "mean":
         return jnp.float32(1.0)
@@ -147,79 +148,40 @@ def _row_cotangent(g_loss, n, opts: CEOptions):
         g_loss.astype(jnp.float32), (n,))
 
 
-SECOND_ORDER_MESSAGE = (
-    "jax_fusedloss: second-order derivatives (grad of grad, hessian, jvp of a gradient) are not "
-    "supported: the gradient comes from fused kernels that are first-order only. Differentiate "
-    "the naive formula (e.g. optax.softmax_cross_entropy_with_integer_labels) for those.")
+@dataclasses.dataclass(frozen=True)
+class _CrossEntropy(_op.RowOp):
+    """(x, y) -> (loss, lse). Row functions: x, y, row_scale -> loss, lse, coef [N, 3]
+    (+ grad); the weighting rule: "mean" gives every row 1 / (count of non-ignored labels).
+    The recompute folds the cotangents into the coefficients: a * cot + g_lse for the softmax
+    term (lse's own gradient is the softmax), b * cot and c * cot."""
+    opts: CEOptions
+    num_aux = 1
 
+    @property
+    def fuses_grad(self) -> bool:
+        # A differentiable lse needs a recompute for its cotangent: no fused gradient there.
+        return self.opts.implementation == "triton" and not self.opts.return_lse
 
-@jax.custom_jvp
-def first_order_only(*arrays):
-    """Identity on the backward's inputs; differentiating it (a second-order derivative of an
-    op) raises NotImplementedError with SECOND_ORDER_MESSAGE instead of an error about
-    custom_partitioning or custom_jvp the user never wrote."""
-    return arrays
+    def call(self, role, *arrays):
+        return _call(self.opts, role, *arrays)
 
+    def row_inputs(self, y):
+        return y, jnp.broadcast_to(1.0 / _denominator(y, self.opts), y.shape)
 
-@first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+    def primal(self, outs, y):
+        loss, lse, _ = outs
+        return _reduce(loss, _denominator(y, self.opts), self.opts), lse
 
+    def saved(self, outs):
+        return outs[1:]  # lse, coef
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _ce(x, y, opts: CEOptions):
-    denom = _denominator(y, opts)
-    row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
-    loss, lse, _ = _call(opts, "fwd", x, y, row_scale)
-    return _reduce(loss, denom, opts), lse
+    def row_cotangent(self, cts, n):
+        return _row_cotangent(cts[0], n, self.opts)
 
-
-def _ce_fwd(x, y, opts: CEOptions):
-    x, y = first_order_only(x, y)  # the forward is differentiated only for a second order
-    denom = _denominator(y, opts)
-    row_scale = jnp.broadcast_to(1.0 / denom, y.shape)
-    if opts.implementation == "triton" and not opts.return_lse:
-        # The gradient for a unit cotangent is written in the same pass as the loss: one read
-        # of the logits in all. float16 logits are kept too, for other cotangents (_ce_bwd).
-        loss, lse, coef, grad = _call(opts, "fwd_grad", x, y, row_scale)
-        res = (grad, None, None, None, None) if x.dtype != jnp.float16 else (grad, x, y, lse,
-                                                                              coef)
-        return (_reduce(loss, denom, opts), lse), res
-    loss, lse, coef = _call(opts, "fwd", x, y, row_scale)
-    return (_reduce(loss, denom, opts), lse), (None, x, y, lse, coef)
-
-
-def _ce_bwd(opts: CEOptions, res, cts):
-    """The gradient for cotangents (g_loss, g_lse).
-
-    Without a saved gradient: one pass over x with the cotangent folded into the per-row
-    coefficients before the gradient is rounded to the logits' dtype. With one (the fused
-    Triton forward, written for a unit cotangent): float32 and bfloat16 rows are rescaled (in
-    place, rows whose cotangent is 1 skipped; a second rounding, at most about 1 ulp; bfloat16
-    has float32's exponent range, so a loss scale flushes nothing, and keeping the logits
-    alive for a recompute would cost the N*V memory the fused path exists to save). For
-    float16 a rescale would flush entries below its smallest subnormal before a loss scale
-    could save them, so the saved gradient is returned as is when every row's cotangent is
-    exactly 1 (plain `jax.grad(loss)`) and otherwise recomputed from x, which the forward kept
-    for this (one `jax.lax.cond`, so only one branch runs; under `vmap` with batched
-    cotangents both run). Cost of the recompute: one more read of x and write of the
-    gradient; memory: float16 logits stay alive until the backward on the fused path."""
-    (grad, x, y, lse, coef), (g_loss, g_lse) = first_order_only(res, cts)
-    n = (grad if grad is not None else x).shape[0]
-    cot = _row_cotangent(g_loss, n, opts)
-
-    def recompute():
-        c = (coef * cot[:, None]).at[:, 0].add(g_lse.astype(jnp.float32))
-        return _call(opts, "bwd", x, y, lse, c)[0]
-
-    if grad is None:
-        return recompute(), None
-    if x is None:
-        return _call(opts, "scale", grad, cot)[0], None
-    return jax.lax.cond(jnp.all(cot == 1.0), lambda: grad, recompute), None
-
-
-_ce.defvjp(_ce_fwd, _ce_bwd)
+    def recompute(self, res, cot, cts):
+        (y, _), (lse, coef) = res.inputs, res.stats
+        c = (coef * cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
+        return _call(self.opts, "bwd", res.x, y, lse, c)[0]
 
 
 # ----------------------------------------------------------------------------- public API
@@ -318,9 +280,9 @@ def cross_entropy(
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
                                 _common.vocab_size(logits, vocab_axis))
     if x.shape[0] == 0:
-        loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+        loss = _op.empty_loss(lead, reduction)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    loss, lse = _common.dispatch_op(_ce, implementation, x, y, opts=opts)
+    loss, lse = _op.apply(_CrossEntropy(opts), implementation, x, y)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

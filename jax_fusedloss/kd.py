@@ -1,20 +1,21 @@
-"""Top-K knowledge distillation: kd_loss, the shared custom_vjp and the Triton launches.
+"""Top-K knowledge distillation: kd_loss, the op hooks shared with distill_loss, the launches.
 
 distill_loss (jax_fusedloss/distill.py) runs the same machinery with a label cross-entropy
 folded into the same pass over the student logits.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _sharding, _triton_jax, _validate
+from jax_fusedloss import _common, _op, _sharding, _triton_jax, _validate
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
-from jax_fusedloss.cross_entropy import first_order_only, scale_row_fns
+from jax_fusedloss.cross_entropy import scale_row_fns
 
 NORMALIZATIONS = _validate.NORMALIZATIONS
 
@@ -114,57 +115,41 @@ def _call(opts: KDOptions, role: str, *arrays):
     return _sharding.run(functools.partial(_row_fns, opts), opts, role, *arrays)
 
 
-# ----------------------------------------------------------------------------- custom_vjp
+# ----------------------------------------------------------------------------- the op
 def _reduce(loss_rows, opts: KDOptions):
     return loss_rows if opts.reduction == "none" else jnp.sum(loss_rows)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _kd(x, ids, lp, y, row_scale, opts: KDOptions):
-    loss, _ = _call(opts, "fwd", x, ids, lp, y, row_scale)
-    return _reduce(loss, opts)
+@dataclasses.dataclass(frozen=True)
+class _Distill(_op.RowOp):
+    """(x, ids, lp, y, row_scale) -> loss, for kd_loss and distill_loss. Row functions: ->
+    loss, stats [N, 5] (+ grad); the weighting rule is the caller's `row_scale` [N, 2] (the
+    cross-entropy and KD terms' weights, already divided by a "mean"'s denominators), so the
+    rows are summed. The recompute scales the row weights (stats[:, 3:5]) by the cotangent."""
+    opts: KDOptions
+    num_aux = 4
 
+    @property
+    def fuses_grad(self) -> bool:
+        return self.opts.implementation == "triton"
 
-def _kd_fwd(x, ids, lp, y, row_scale, opts: KDOptions):
-    x, row_scale = first_order_only(x, row_scale)  # differentiated only for a second order
-    if opts.implementation == "triton":
-        # One read of the logits for loss and gradient (for a unit cotangent); float16 logits
-        # and the row statistics are kept too, for other cotangents (see _kd_bwd).
-        loss, stats, grad = _call(opts, "fwd_grad", x, ids, lp, y, row_scale)
-        if x.dtype != jnp.float16:
-            return _reduce(loss, opts), (grad, None, None, None, None, None)
-        return _reduce(loss, opts), (grad, x, ids, lp, y, stats)
-    loss, stats = _call(opts, "fwd", x, ids, lp, y, row_scale)
-    return _reduce(loss, opts), (None, x, ids, lp, y, stats)
+    def call(self, role, *arrays):
+        return _call(self.opts, role, *arrays)
 
+    def primal(self, outs, *aux):
+        return _reduce(outs[0], self.opts)
 
-def _kd_bwd(opts: KDOptions, res, g):
-    """As cross_entropy's backward: without a saved gradient, one pass over x with the
-    cotangent folded into the row weights (stats[:, 3:5]) before rounding; a saved float32 or
-    bfloat16 gradient is rescaled; a saved float16 one is returned as is when every row's
-    cotangent is
-    exactly 1 and recomputed from x otherwise (`jax.lax.cond`: one branch runs; the recompute
-    costs one more read of x and write of the gradient, and x stays alive until the
-    backward), so a loss scale does not flush small fp16 entries."""
-    (grad, x, ids, lp, y, stats), g = first_order_only(res, g)
-    n = (grad if grad is not None else x).shape[0]
-    g = g.astype(jnp.float32)
-    cot = g if opts.reduction == "none" else jnp.broadcast_to(g, (n,))
+    def saved(self, outs):
+        return outs[1:]  # stats
 
-    def recompute():
-        scaled = stats.at[:, 3:5].multiply(cot[:, None])
-        return _call(opts, "bwd", x, ids, lp, y, scaled)[0]
+    def row_cotangent(self, g, n):
+        g = g.astype(jnp.float32)
+        return g if self.opts.reduction == "none" else jnp.broadcast_to(g, (n,))
 
-    if grad is None:
-        grad = recompute()
-    elif x is None:
-        grad = _call(opts, "scale", grad, cot)[0]
-    else:
-        grad = jax.lax.cond(jnp.all(cot == 1.0), lambda: grad, recompute)
-    return grad, None, None, None, None
-
-
-_kd.defvjp(_kd_fwd, _kd_bwd)
+    def recompute(self, res, cot, cts):
+        ids, lp, y, _ = res.inputs
+        scaled = res.stats[0].at[:, 3:5].multiply(cot[:, None])
+        return _call(self.opts, "bwd", res.x, ids, lp, y, scaled)[0]
 
 
 # The KD kernels hold a row's teacher entries in one [BLOCK_K, 16] tile (BLOCK_K the next power
@@ -184,7 +169,7 @@ def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | No
                 f"token (the kernels' tile limit), got teacher_ids.shape[-1]={k}: use "
                 f'implementation="xla" (or None) or fewer entries')
         implementation = "xla"
-    return _common.dispatch_op(_kd, implementation, x, ids, lp, y, row_scale, opts=opts)
+    return _op.apply(_Distill(opts), implementation, x, ids, lp, y, row_scale)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -329,7 +314,7 @@ def kd_loss(
                                             vocab_axis=vocab_axis)
     n = x.shape[0]
     if n == 0:
-        return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+        return _op.empty_loss(lead, reduction)
     scale = jnp.float32(1.0)
     if reduction == "mean":
         scale = 1.0 / mean_denominator(jnp.sum(has_entry), num_items)

@@ -1,6 +1,7 @@
 """Log-sum-exp, entropy and token log-probs over the vocabulary, and the merge of partials."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import NamedTuple
@@ -8,9 +9,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss import _common, _op, _sharding, _triton_jax
 from jax_fusedloss._xla import reductions as _xla_red
-from jax_fusedloss.cross_entropy import first_order_only
 
 
 class RedOptions(NamedTuple):
@@ -114,45 +114,39 @@ def _call(opts: RedOptions, role: str, has_label: bool, *arrays):
     return _sharding.run(lambda impl: _row_fns(opts, impl, has_label), opts, role, *arrays)
 
 
-# ----------------------------------------------------------------------------- custom_vjp
-class _Residuals(NamedTuple):
-    x: jax.Array
-    y: jax.Array | None
-    lse: jax.Array
-    ent: jax.Array | None
+# ----------------------------------------------------------------------------- the op
+@dataclasses.dataclass(frozen=True)
+class _Reductions(_op.RowOp):
+    """x (, y) -> (lse, entropy or None, log-prob or None). Row functions: fwd gives lse (and
+    the entropy, the label's log-prob); bwd takes the three cotangents stacked [N, 3]. No
+    gradient in the forward: the backward is one pass combining every output's cotangent."""
+    opts: RedOptions
+    has_label: bool = False
 
+    @property
+    def num_aux(self) -> int:
+        return int(self.has_label)
 
-def _expand(outs, opts: RedOptions, has_label: bool):
-    outs = iter(outs)
-    lse = next(outs)
-    return lse, next(outs) if opts.entropy else None, next(outs) if has_label else None
+    def call(self, role, *arrays):
+        return _call(self.opts, role, self.has_label, *arrays)
 
+    def primal(self, outs, *y):
+        outs = iter(outs)
+        lse = next(outs)
+        return (lse, next(outs) if self.opts.entropy else None,
+                next(outs) if self.has_label else None)
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rows(x, y, opts: RedOptions):
-    has_label = y is not None
-    return _expand(_call(opts, "fwd", has_label, x, *([y] if has_label else [])), opts,
-                   has_label)
+    def saved(self, outs):
+        lse, ent, _ = self.primal(outs)
+        return lse, lse if ent is None else ent  # the entropy is read only with opts.entropy
 
+    def row_cotangent(self, cts, n):
+        zeros = jnp.zeros((n,), jnp.float32)
+        return jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
 
-def _rows_fwd(x, y, opts: RedOptions):
-    x = first_order_only(x)[0]  # the forward is differentiated only for a second order
-    lse, ent, logp = _rows(x, y, opts)
-    return (lse, ent, logp), _Residuals(x, y, lse, ent)
-
-
-def _rows_bwd(opts: RedOptions, res: _Residuals, cts):
-    res, cts = first_order_only(res, cts)
-    zeros = jnp.zeros_like(res.lse)  # keeps the rows' sharding (Explicit mesh axes)
-    cot = jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
-    has_label = res.y is not None
-    ent = res.lse if res.ent is None else res.ent  # read only with opts.entropy
-    grad = _call(opts, "bwd", has_label, res.x, res.lse, ent, cot,
-                 *([res.y] if has_label else []))[0]
-    return grad, None
-
-
-_rows.defvjp(_rows_fwd, _rows_bwd)
+    def recompute(self, res, cot, cts):
+        lse, ent = res.stats
+        return _call(self.opts, "bwd", self.has_label, res.x, lse, ent, cot, *res.inputs)[0]
 
 
 def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None):
@@ -170,9 +164,9 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
-    opts = RedOptions(temperature, entropy, "", vocab_axis)
-    outs = _common.dispatch_op(_rows, implementation, x, y, opts=opts)
-    return tuple(None if o is None else o.reshape(lead) for o in outs)
+    op = _Reductions(RedOptions(temperature, entropy, "", vocab_axis), y is not None)
+    outs = _op.apply(op, implementation, x, *([] if y is None else [y]))
+    return tuple(_op.unflatten(o, lead) for o in outs)
 
 
 # ----------------------------------------------------------------------------- public API
