@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common
+from jax_fusedloss import _common, _triton_jax
 
 SECOND_ORDER_MESSAGE = (
     "jax_fusedloss: second-order derivatives (grad of grad, hessian, jvp of a gradient) are not "
@@ -150,8 +150,14 @@ _apply.defvjp(_apply_fwd, _apply_bwd)
 
 def apply(op: RowOp, implementation: str | None, x: jax.Array, *aux):
     """Runs `op` on `[N, V]` logits and its `[N, ...]` aux arrays with the requested
-    implementation, or the best available one when None (a missing optional dependency, or
-    what an implementation cannot do, falls through to the next)."""
+    implementation, or the best available one when None: on a CUDA GPU Triton, except for
+    few rows (`kernels.launch.auto_prefers_xla`), where XLA is measured faster; a missing
+    optional dependency, or what an implementation cannot do, falls through to the next."""
+    if implementation is None and _triton_jax.on_cuda_gpu():
+        from jax_fusedloss.kernels import launch
+
+        if launch.auto_prefers_xla(x.shape[0], x.shape[-1]):
+            implementation = "xla"  # measured faster for few rows (launch.AUTO_XLA_MAX_ROWS)
     return _common.dispatch_op(lambda *args: _apply(args[-1], *args[:-1]), implementation, x,
                                *aux, opts=op)
 

@@ -24,6 +24,20 @@ FWD_TILE_ELEMS = 4096
 GRAD_TILE_ELEMS = 16384
 
 
+# implementation=None on a CUDA GPU: up to this many rows XLA's own whole-row formula (the XLA
+# twin's few-row shortcut) is faster end to end than our kernels, because each jax-triton call
+# is a custom call launched outside XLA's command buffers (CUDA graphs) while XLA's kernels run
+# inside them. Per call inside one jitted program, H100, bf16, V=128256
+# (benchmarks/results/fewrows_h100.csv, `python -m benchmarks.fewrows`): see the README's
+# "Few rows" table.
+AUTO_XLA_MAX_ROWS = 32
+
+
+def auto_prefers_xla(n_rows: int, vocab: int) -> bool:
+    """Whether implementation=None should run the XLA twin rather than Triton on a GPU."""
+    return n_rows <= AUTO_XLA_MAX_ROWS
+
+
 class RowConfig(NamedTuple):
     block_v: int  # elements per tile, a power of two
     num_warps: int
