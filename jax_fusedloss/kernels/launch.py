@@ -25,12 +25,16 @@ GRAD_TILE_ELEMS = 16384
 
 
 # implementation=None on a CUDA GPU: up to this many rows XLA's own whole-row formula (the XLA
-# twin's few-row shortcut) is faster end to end than our kernels, because each jax-triton call
-# is a custom call launched outside XLA's command buffers (CUDA graphs) while XLA's kernels run
-# inside them. Per call inside one jitted program, H100, bf16, V=128256
-# (benchmarks/results/fewrows_h100.csv, `python -m benchmarks.fewrows`): see the README's
-# "Few rows" table.
-AUTO_XLA_MAX_ROWS = 32
+# twin's few-row shortcut) is as fast or faster end to end than our kernels, because each
+# jax-triton call is a custom call launched outside XLA's command buffers (CUDA graphs) while
+# XLA's kernels run inside them. Per call inside one jitted program of 24 calls, H100, bf16,
+# V=128256, us, Triton vs XLA (benchmarks/results/fewrows_h100.csv, `benchmarks.fewrows`):
+#   N               1      8      16     32     64     128
+#   logsumexp     27/23  29/20  32/29  32/25  28/28  30/41
+#   cross_entropy 43/22  40/25  56/25  35/30  55/35  37/46
+#   its gradient  37/18  30/23  29/28  48/35  53/54  65/72
+# (CUPTI kernel time of our path is 3-13 us of that: the rest is launch cost.)
+AUTO_XLA_MAX_ROWS = 64
 
 
 def auto_prefers_xla(n_rows: int, vocab: int) -> bool:
