@@ -109,6 +109,13 @@ def check_static_int(value, name: str, *, lo: int = INT32_MIN, hi: int = INT32_M
     return _validate.check_int(value, name, lo=lo, hi=hi)
 
 
+def check_ce_options(label_smoothing, z_loss, logit_softcap) -> tuple[float, float,
+                                                                      float | None]:
+    """cross_entropy's float options as static Python floats (`_validate.check_ce_options`)."""
+    return _validate.check_ce_options(label_smoothing, z_loss, logit_softcap,
+                                      check=check_static_float)
+
+
 def labels_to_int32(labels: jax.Array, ignore_index: int | None, vocab: int) -> jax.Array:
     """Integer labels of any width as int32 for the kernels, range-checked at their own width
     first: a label equal to `ignore_index` stays ignore_index, one in [0, vocab) keeps its

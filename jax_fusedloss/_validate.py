@@ -12,6 +12,7 @@ import operator
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 REDUCTIONS = ("mean", "sum", "none")
 NORMALIZATIONS = ("full", "topk")
+LAYOUTS = ("dv", "vd")  # linear_cross_entropy's weight: [D, V] or [V, D]
 FLOAT_DTYPE_NAMES = "float32, bfloat16, float16"
 
 
@@ -66,6 +67,18 @@ def check_bool(value, name: str) -> bool:
     return value
 
 
+def check_ce_options(label_smoothing, z_loss, logit_softcap, *, check=check_float):
+    """cross_entropy's float options, as every op that has them checks them (cross_entropy,
+    distill_loss, linear_cross_entropy): label_smoothing in [0, 1], z_loss >= 0,
+    logit_softcap in (0, inf) or None. `check` is `check_float` or a frontend's stricter
+    version of it (the JAX API's rejects traced values too)."""
+    smoothing = check(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
+    z_loss = check(z_loss, "z_loss", lo=0.0)
+    softcap = None if logit_softcap is None else check(logit_softcap, "logit_softcap", lo=0.0,
+                                                       lo_open=True)
+    return smoothing, z_loss, softcap
+
+
 # ----------------------------------------------------------------------------- shapes
 def check_rows_shape(shape: tuple[int, ...], name: str) -> None:
     """A `[..., V]` operand: at least one axis, and a nonempty last one."""
@@ -88,6 +101,30 @@ def check_shape_equal(name: str, shape: tuple[int, ...], expected: str,
     if tuple(shape) != tuple(expected_shape):
         raise ValueError(f"{name}.shape={tuple(shape)} must equal {expected}="
                          f"{tuple(expected_shape)}")
+
+
+def check_same_dtype(name: str, dtype, ref_name: str, ref_dtype) -> None:
+    if dtype != ref_dtype:
+        raise TypeError(f"{name}.dtype={dtype} must equal {ref_name}.dtype={ref_dtype}")
+
+
+def check_linear_weight(hidden_shape: tuple[int, ...], weight_shape: tuple[int, ...],
+                        weight_layout: str) -> int:
+    """linear_cross_entropy's weight for `[..., D]` hidden states: `[D, V]` ("dv") or `[V, D]`
+    ("vd") with a nonempty vocabulary; returns V."""
+    check_choice(weight_layout, "weight_layout", LAYOUTS)
+    weight_shape = tuple(weight_shape)
+    if len(weight_shape) != 2:
+        raise ValueError(f"weight.shape={weight_shape} must be 2-D: [D, V] for "
+                         f"weight_layout='dv', [V, D] for 'vd'")
+    d_axis = 0 if weight_layout == "dv" else 1
+    if weight_shape[d_axis] != hidden_shape[-1]:
+        raise ValueError(f"weight.shape={weight_shape} with weight_layout={weight_layout!r} "
+                         f"needs weight.shape[{d_axis}] == hidden.shape[-1]={hidden_shape[-1]}")
+    vocab = weight_shape[1 - d_axis]
+    if vocab < 1:
+        raise ValueError(f"weight.shape={weight_shape}: the vocabulary axis must not be empty")
+    return vocab
 
 
 def check_teacher_shapes(logits_shape: tuple[int, ...], ids_shape: tuple[int, ...],

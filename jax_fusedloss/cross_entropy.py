@@ -185,15 +185,7 @@ class _CrossEntropy(_op.RowOp):
 
 
 # ----------------------------------------------------------------------------- public API
-def check_ce_options(label_smoothing, z_loss, logit_softcap) -> tuple[float, float,
-                                                                      float | None]:
-    """The cross-entropy options as static floats (shared with distill_loss): label_smoothing
-    in [0, 1], z_loss >= 0, logit_softcap in (0, inf) or None."""
-    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
-    z_loss = _common.check_static_float(z_loss, "z_loss", lo=0.0)
-    softcap = None if logit_softcap is None else _common.check_static_float(
-        logit_softcap, "logit_softcap", lo=0.0, lo_open=True)
-    return smoothing, z_loss, softcap
+check_ce_options = _common.check_ce_options  # shared with distill_loss
 
 
 def cross_entropy(

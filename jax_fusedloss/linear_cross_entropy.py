@@ -32,11 +32,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _sharding, _triton_jax
+from jax_fusedloss import _common, _sharding, _triton_jax, _validate
 from jax_fusedloss.kernels import linear_ce as _chunking
 from jax_fusedloss.cross_entropy import CEOptions, _denominator, _row_cotangent, _row_fns
 
-LAYOUTS = ("dv", "vd")
 ACCUMULATIONS = ("float32", "input")
 # Each chunk's logits gradient overwrites the chunk's logits (a temporary of the loop): the
 # Triton cross-entropy launches alias them (CEOptions.in_place). False only to compare.
@@ -279,27 +278,14 @@ _lce.defvjp(_lce_fwd, _lce_bwd)
 # ----------------------------------------------------------------------------- public API
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
     _common.check_logits(hidden, "hidden")
-    _common.check_choice(weight_layout, "weight_layout", LAYOUTS)
-    dim = hidden.shape[-1]
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"weight must be an array, got {type(weight).__name__}")
-    if weight.ndim != 2:
-        raise ValueError(f"weight.shape={weight.shape} must be 2-D: [D, V] for "
-                         f"weight_layout='dv', [V, D] for 'vd'")
-    d_axis = 0 if weight_layout == "dv" else 1
-    if weight.shape[d_axis] != dim:
-        raise ValueError(f"weight.shape={weight.shape} with weight_layout={weight_layout!r} "
-                         f"needs weight.shape[{d_axis}] == hidden.shape[-1]={dim}")
-    vocab = weight.shape[1 - d_axis]
-    if vocab < 1:
-        raise ValueError(f"weight.shape={weight.shape}: the vocabulary axis must not be empty")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}")
+    vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
+    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
     _common.check_int_array(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
     if bias is not None:
         _common.check_logits(bias, "bias")
-        if tuple(bias.shape) != (vocab,):
-            raise ValueError(f"bias.shape={tuple(bias.shape)} must equal (V,)=({vocab},)")
+        _validate.check_shape_equal("bias", bias.shape, "(V,)", (vocab,))
     return vocab
 
 
@@ -381,11 +367,7 @@ def linear_cross_entropy(
     vocab = _check_inputs(hidden, weight, labels, bias, weight_layout)
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)
-    smoothing = _common.check_static_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
-    zl = _common.check_static_float(z_loss, "z_loss", lo=0.0)
-    if logit_softcap is not None:
-        logit_softcap = _common.check_static_float(logit_softcap, "logit_softcap", lo=0.0,
-                                                   lo_open=True)
+    smoothing, zl, logit_softcap = _common.check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     vocab_axis = _common.check_axis_name(vocab_axis)
     _common.check_choice(accumulation, "accumulation", ACCUMULATIONS)

@@ -7,7 +7,8 @@ import torch
 
 from jax_fusedloss import _validate
 from jax_fusedloss._validate import (INT32_MAX, INT32_MIN, REDUCTIONS,  # noqa: F401 (re-exported)
-                                     check_bool, check_choice, check_float, check_int)
+                                     check_bool, check_ce_options, check_choice, check_float,
+                                     check_int)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -90,11 +90,15 @@ class _CrossEntropy(torch.autograd.Function):
         x, y, lse, coef = saved
         n = x.shape[0]
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
-        coef = coef * cot[:, None]
+        coef = coef.clone()
+        coef[:, :3] *= cot[:, None]  # (a, b, c); lse_lo (fields 3 and 4) stays exact
         if g_lse is not None:
             coef[:, 0] += g_lse.reshape(-1).float()
         grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
         return grad.reshape(ctx.shape), None, None, None, None, None, None, None
+
+
+check_ce_options = _checks.check_ce_options  # shared with distill_loss
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
@@ -110,11 +114,7 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     _checks.check_int_tensor(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _checks.check_same_device("labels", labels, logits, "logits")
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
-    smoothing = _checks.check_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
-    z_loss = _checks.check_float(z_loss, "z_loss", lo=0.0)
-    if logit_softcap is not None:
-        logit_softcap = _checks.check_float(logit_softcap, "logit_softcap", lo=0.0,
-                                            lo_open=True)
+    smoothing, z_loss, logit_softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     if logits.numel() == 0:
         lead = labels.shape

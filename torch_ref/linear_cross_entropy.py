@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from jax_fusedloss import _validate
 from jax_fusedloss.kernels import cross_entropy as _ce_plans
 from jax_fusedloss.kernels.linear_ce import chunk_rows
 from torch_ref import _checks, _launch
@@ -83,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         write_grad = any(needs[:3]) and not recompute
         f32 = dict(dtype=torch.float32, device=h.device)
         loss_rows, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32),
-                                torch.empty(n, 3, **f32))
+                                torch.empty(n, _ce_plans.COEF_FIELDS, **f32))
         dh = torch.empty_like(h) if write_grad and needs[0] else None
         dw = torch.zeros(weight.shape, **f32) if write_grad and needs[1] else None
         db = torch.zeros(vocab, **f32) if write_grad and bias is not None and needs[2] else None
@@ -155,30 +156,18 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     in the backward), recomputed in the backward for reduction="none" or return_lse. First-order
     only (backward with create_graph=True raises)."""
     _checks.check_logits(hidden, "hidden")
-    _checks.check_choice(weight_layout, "weight_layout", ("dv", "vd"))
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor ([D, V] for 'dv', [V, D] for 'vd'), "
-                         f"got {getattr(weight, 'shape', type(weight).__name__)}")
-    d_axis = 0 if weight_layout == "dv" else 1
-    dim = hidden.shape[-1]
-    if weight.shape[d_axis] != dim:
-        raise ValueError(f"weight.shape={tuple(weight.shape)} with weight_layout="
-                         f"{weight_layout!r} needs weight.shape[{d_axis}] == "
-                         f"hidden.shape[-1]={dim}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}")
-    vocab = weight.shape[1 - d_axis]
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    vocab = _validate.check_linear_weight(tuple(hidden.shape), tuple(weight.shape),
+                                          weight_layout)
+    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
     _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
     if bias is not None:
         _checks.check_logits(bias, "bias")
-        if tuple(bias.shape) != (vocab,):
-            raise ValueError(f"bias.shape={tuple(bias.shape)} must equal (V,)=({vocab},)")
+        _validate.check_shape_equal("bias", tuple(bias.shape), "(V,)", (vocab,))
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
-    smoothing = _checks.check_float(label_smoothing, "label_smoothing", lo=0.0, hi=1.0)
-    z_loss = _checks.check_float(z_loss, "z_loss", lo=0.0)
-    if logit_softcap is not None:
-        logit_softcap = _checks.check_float(logit_softcap, "logit_softcap", lo=0.0,
-                                            lo_open=True)
+    smoothing, z_loss, logit_softcap = _checks.check_ce_options(label_smoothing, z_loss,
+                                                                logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     n = labels.numel()
     if chunk_size is None:
