@@ -8,15 +8,17 @@ from jax_fusedloss.kernels import kd as k
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
 from torch_ref._launch import run_plan
-from torch_ref.cross_entropy import scaled_saved_grad
+from torch_ref.cross_entropy import check_ce_options, scaled_saved_grad
 
 
-def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad):
+def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad,
+          smoothing=0.0, z_loss=0.0, softcap=None):
     """Per-row loss [N] (and the unit-cotangent gradient) from kd_fwd_plan."""
     n, vocab = x.shape
     plan = k.kd_fwd_plan(n, vocab, ids.shape[1], temperature=temperature, normalize=normalize,
                          distill=distill, ignore_index=ignore_index,
-                         num_sms=_launch.num_sms(x), write_grad=write_grad)
+                         num_sms=_launch.num_sms(x), write_grad=write_grad,
+                         smoothing=smoothing, z_loss=z_loss, softcap=softcap)
     outs = run_plan(plan, x=x, ids=ids, lp=lp, y=y, row_scale=row_scale)
     return outs[0], outs[2] if write_grad else None
 
@@ -24,12 +26,13 @@ def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_inde
 class _KD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index,
-                reduction, write_grad):
+                reduction, write_grad, ce_options):
         x = logits.reshape(-1, logits.shape[-1]).contiguous()
         loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
-                           ignore_index, write_grad)
+                           ignore_index, write_grad, *ce_options)
         ctx.reduction, ctx.shape = reduction, logits.shape
         ctx.options = (temperature, normalize, distill, ignore_index)
+        ctx.ce_options = ce_options
         if grad is not None and x.dtype == torch.float16:  # see backward
             ctx.save_for_backward(grad.view(logits.shape), x, ids, lp, y, row_scale)
         else:
@@ -47,12 +50,12 @@ class _KD(torch.autograd.Function):
         saved = ctx.saved_tensors
         per_row = ctx.reduction == "none"
         if len(saved) == 1 or bool((g == 1).all()):  # one read (a sync on CUDA)
-            return (scaled_saved_grad(saved[0], g, per_row),) + (None,) * 10
+            return (scaled_saved_grad(saved[0], g, per_row),) + (None,) * 11
         _, x, ids, lp, y, row_scale = saved
         cot = (g.reshape(-1) if per_row else g.reshape(1).expand(x.shape[0])).float()
         _, grad = _rows(x, ids, lp, y, (row_scale * cot[:, None]).contiguous(), *ctx.options,
-                        True)
-        return (grad.view(ctx.shape),) + (None,) * 10
+                        True, *ctx.ce_options)
+        return (grad.view(ctx.shape),) + (None,) * 11
 
 
 MAX_K = 65536  # as jax_fusedloss.kd.MAX_TRITON_K (this package does not import JAX)
@@ -129,14 +132,16 @@ def kd_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
     row_scale = torch.stack([torch.zeros(n, device=ids.device), scale.expand(n)], 1).contiguous()
     y = torch.zeros(n, dtype=torch.int32, device=ids.device)
     loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize,
-                     False, -1, reduction, _needs_grad(student_logits))
+                     False, -1, reduction, _needs_grad(student_logits), (0.0, 0.0, None))
     return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
 
 
 def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids: torch.Tensor,
                  teacher_logprobs: torch.Tensor, mask: torch.Tensor | None = None, *,
                  alpha: float, temperature: float = 1.0, ignore_index: int = -100,
-                 normalize: str = "full", reduction: str = "mean", num_items=None,
+                 label_smoothing: float = 0.0, z_loss: float = 0.0,
+                 logit_softcap: float | None = None, normalize: str = "full",
+                 reduction: str = "mean", num_items=None,
                  temperature_squared: bool = False) -> torch.Tensor:
     """`jax_fusedloss.distill_loss` from PyTorch, on the same Triton kernels (see its docs).
 
@@ -149,6 +154,7 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
     temperature = _check(temperature, normalize, reduction, num_items)
     alpha = _checks.check_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    ce_options = check_ce_options(label_smoothing, z_loss, logit_softcap)
     y = _checks.labels_to_int32(labels, ignore_index, student_logits.shape[-1])
     active = y != ignore_index
     ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active)
@@ -161,6 +167,6 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
         kd_w = kd_w / _denominator(has_entry.sum(), num_items)
     row_scale = torch.stack([ce_w.expand(n), kd_w.expand(n)], 1).contiguous()
     loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize, True,
-                     int(ignore_index), reduction, _needs_grad(student_logits))
+                     int(ignore_index), reduction, _needs_grad(student_logits), ce_options)
     return loss.reshape(labels.shape) if reduction == "none" else loss
 
