@@ -265,8 +265,9 @@ def cross_entropy(
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     vocab_axis = _common.check_axis_name(vocab_axis)
-    opts = CEOptions(ignore_index, reduction, smoothing, z_loss, softcap, bool(return_lse), "",
-                     vocab_axis)
+    opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
+                     z_loss=z_loss, softcap=softcap, return_lse=bool(return_lse),
+                     implementation="", vocab_axis=vocab_axis)
     lead = labels.shape
     x = _common.flatten_rows(logits)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index,

@@ -130,7 +130,9 @@ def distill_loss(
         ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
         kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
-    opts = KDOptions(t, normalize, reduction, True, int(ignore_index), "",
-                     _common.check_axis_name(vocab_axis), smoothing, z_loss, softcap)
+    opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=True,
+                     ignore_index=int(ignore_index), implementation="",
+                     vocab_axis=_common.check_axis_name(vocab_axis), smoothing=smoothing,
+                     z_loss=z_loss, softcap=softcap)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -319,6 +319,8 @@ def kd_loss(
     if reduction == "mean":
         scale = 1.0 / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
-    opts = KDOptions(t, normalize, reduction, False, -1, "", _common.check_axis_name(vocab_axis))
+    opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=False,
+                     ignore_index=-1, implementation="",
+                     vocab_axis=_common.check_axis_name(vocab_axis))
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -382,9 +382,11 @@ def linear_cross_entropy(
         zero = 0.0 * (jnp.sum(hidden) + jnp.sum(weight))
         loss = jnp.zeros(lead, jnp.float32) + zero if reduction == "none" else zero
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    ce_opts = CEOptions(ignore_index, reduction, smoothing, zl, logit_softcap,
-                        bool(return_lse), "", vocab_axis)
-    opts = LCEOptions(ce_opts, weight_layout, chunk, accumulation, "")
+    ce_opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
+                        z_loss=zl, softcap=logit_softcap, return_lse=bool(return_lse),
+                        implementation="", vocab_axis=vocab_axis)
+    opts = LCEOptions(ce=ce_opts, layout=weight_layout, chunk=chunk, accumulation=accumulation,
+                      implementation="")
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)

@@ -164,7 +164,8 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
-    op = _Reductions(RedOptions(temperature, entropy, "", vocab_axis), y is not None)
+    op = _Reductions(RedOptions(temperature=temperature, entropy=entropy, implementation="",
+                                vocab_axis=vocab_axis), y is not None)
     outs = _op.apply(op, implementation, x, *([] if y is None else [y]))
     return tuple(_op.unflatten(o, lead) for o in outs)
 
