@@ -82,3 +82,23 @@ def test_cuda_without_jax_triton_falls_back_to_xla(monkeypatch):
     assert abs(float(loss) - float(jnp.log(8.0))) < 1e-6
     with pytest.raises(ImportError, match=r"jax-fusedloss\[gpu\]"):
         jax_fusedloss.cross_entropy(x, y, implementation="triton")
+
+
+def test_validation_needs_no_framework():
+    """jax_fusedloss._validate, the checks both frontends share, imports neither JAX nor
+    torch."""
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["jax"] = sys.modules["torch"] = None  # importing either now raises
+        from jax_fusedloss import _validate
+        assert _validate.check_float(0.5, "x", lo=0.0, hi=1.0) == 0.5
+        try:
+            _validate.check_int(2**31, "ignore_index")
+            raise SystemExit("2**31 was accepted")
+        except ValueError as e:
+            assert "ignore_index=2147483648" in str(e), e
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=compiler_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-4000:]
