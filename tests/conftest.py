@@ -1,6 +1,10 @@
 """Test set-up: Triton's interpreter on machines without a GPU, the `gpu` marker elsewhere."""
 import os
 
+# JAX and torch share the GPU in one process: without this JAX takes 75% of its memory when the
+# probe below first creates its client (before any test module could say otherwise).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # The library's own probe (JAX's default backend is a CUDA GPU), the one every test asks
 # (tests.helpers.HAS_GPU): where it says yes, implementation=None and "triton" run the compiled
 # kernels, so the tests do too. It imports jax but not triton: TRITON_INTERPRET must be set
