@@ -128,8 +128,8 @@ def coop_ce_kernel(
         zy = tl.sum(_load_partial(base, valid, 3, False), axis=0)
         lse = tl.where(arrived >= P, stats_to_lse(mm, ss), float("nan"))
         scale = tl.where(ignored, 0.0, 1.0)
-        loss, a, b, c = ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
-                                      HAS_SMOOTHING, HAS_ZLOSS)
+        loss, a, b, c = ce_row_finish(lse, 0.0, zy, sumz, V, smoothing, z_loss, ignored, bad,
+                                      scale, HAS_SMOOTHING, HAS_ZLOSS)
         if member == 0:
             tl.store(loss_ptr + row, loss)
             tl.store(lse_ptr + row, lse)

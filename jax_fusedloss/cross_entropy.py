@@ -77,8 +77,8 @@ def _vp_fwd(slice_stats, x, y, row_scale, opts: CEOptions, axes):
     all-reduces, then the row finish."""
     m, s, sumz, zy = slice_stats(x, y - _sharding.slice_offset(x.shape[1], axes), opts)
     m, s, _, sumz, zy = _sharding.merge_across(axes, m, s, sums=(sumz, zy))
-    lse = _xla_chunks.lse_from_stats(m, s)
-    loss, coef = _xla_ce.finish(lse, zy, sumz, y, row_scale, opts,
+    lse, lse_lo = _xla_chunks.lse_parts(m, s)
+    loss, coef = _xla_ce.finish(lse, lse_lo, zy, sumz, y, row_scale, opts,
                                 _sharding.global_vocab(x.shape[1], axes))
     return loss, lse, coef
 

@@ -53,20 +53,23 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
 
 # ----------------------------------------------------------------------------- row functions
 def _vp_gathers(x, ids, y, opts: KDOptions, axes):
-    """Slice offset, global vocabulary, merged lses and sum of z (or None), x[ids] and x[y]
-    of a vocabulary slice."""
-    vocab, k = x.shape[1], ids.shape[1]
+    """Slice offset, global vocabulary, the vocabulary statistics (vocab_stats) merged over
+    the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
+    vocab = x.shape[1]
     off = _sharding.slice_offset(vocab, axes)
-    lses, sumz = _xla_kd.vocab_stats(x, opts) if _xla_kd.lse_scales(opts) else ((), None)
     xk = _xla_kd.slice_gather(x, ids, off)
     xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
-    sums = (xy, *xk.T) + (() if sumz is None else (sumz,))
-    merged = [_sharding.merge_across(axes, a, jnp.ones_like(a), sums=sums if i == 0 else ())
-              for i, a in enumerate(lses)]
-    sums = merged[0][3:] if merged else jax.lax.psum(sums, axes)
-    lses = tuple(_xla_chunks.lse_from_stats(m[0], m[1]) for m in merged)
-    return (off, _sharding.global_vocab(vocab, axes), lses,
-            None if sumz is None else sums[-1], jnp.stack(sums[1:k + 1], axis=1), sums[0])
+    m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
+                        else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
+    m_all = jax.lax.pmax(m, axes)
+    shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
+    weights = (jnp.exp(shift), jnp.exp(shift / opts.temperature), 1.0)  # sums relative to m
+    sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
+    total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
+    merged = iter(total[..., i] for i in range(len(sums)))
+    vstats = (m_all,) + tuple(None if a is None else next(merged) for a in (s, s_kd, sumz))
+    return (off, _sharding.global_vocab(vocab, axes), vstats, total[..., len(sums) + 1:],
+            total[..., len(sums)])
 
 
 def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
@@ -89,12 +92,12 @@ def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
             return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
 
     def fwd_vp(x, ids, lp, y, rs, axes):
-        _, vocab, lses, sumz, xk, xy = _vp_gathers(x, ids, y, opts, axes)
-        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, lses=lses, sumz=sumz,
-                                xk=xk, xy=xy)
+        _, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, vstats=vstats, xk=xk,
+                                xy=xy)
 
     def bwd_vp(x, ids, lp, y, stats, axes):
-        off, vocab, _, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
         return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
 
     def fwd_grad_vp(x, ids, lp, y, rs, axes):

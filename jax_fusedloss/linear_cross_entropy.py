@@ -138,7 +138,7 @@ def _loop(role: str, ce, opts: LCEOptions, h, w, b, y, *rows, vocab_axes=()):
     init = ()
     if stats:
         init += (_zeros((n,), f32, row_vma), _zeros((n,), f32, row_vma),
-                 _zeros((n, 3), f32, row_vma))
+                 _zeros((n, 5), f32, row_vma))  # coef: kernels.cross_entropy.COEF_FIELDS
     if grads:
         dw_dtype = f32 if opts.accumulation == "float32" else w.dtype
         init += (_zeros(h.shape, h.dtype, vma), _zeros(w.shape, dw_dtype, vma),

@@ -35,20 +35,20 @@ def _labels(y):
 
 
 def _triton_rows_fwd(x, y, opts: RedOptions):
-    """Per-row (lse, entropy or None, logp or None) through red_fwd_plan."""
+    """Per-row (lse, entropy or None, logp or None, lse_lo) through red_fwd_plan."""
     labels, names = _labels(y)
-    want = ("lse",) + ("ent",) * opts.entropy + ("logp",) * (y is not None)
+    want = ("lse",) + ("ent",) * opts.entropy + ("logp",) * (y is not None) + ("lse_lo",)
     outs = dict(zip(want, _triton_jax.run_rows(_plan("red_fwd_plan", opts, y is not None),
                                                ("x",) + names, x, *labels, results=want)))
-    return outs["lse"], outs.get("ent"), outs.get("logp")
+    return outs["lse"], outs.get("ent"), outs.get("logp"), outs["lse_lo"]
 
 
-def _triton_rows_bwd(x, y, lse, ent, cot, opts: RedOptions):
+def _triton_rows_bwd(x, y, lse, lse_lo, ent, cot, opts: RedOptions):
     labels, names = _labels(y)
     ent = lse if ent is None else ent  # read only with opts.entropy
     return _triton_jax.run_rows(_plan("red_bwd_plan", opts, y is not None),
-                                ("x", "lse", "ent", "cot") + names, x, lse, ent, cot,
-                                *labels)[0]
+                                ("x", "lse", "lse_lo", "ent", "cot") + names, x, lse, lse_lo,
+                                ent, cot, *labels)[0]
 
 
 def _triton_slice_stats(x, y, opts: RedOptions):
@@ -63,8 +63,12 @@ def _triton_slice_stats(x, y, opts: RedOptions):
 
 # ----------------------------------------------------------------------------- row functions
 def _row_fns(opts: RedOptions, impl: str, has_label: bool) -> dict[str, _sharding.RowFns]:
-    """fwd: (x[, y]) -> (lse[, entropy][, logp]); bwd: (x, lse, ent, cot[, y]) -> grad; each
-    with its vocabulary-parallel form."""
+    """fwd: (x[, y]) -> (lse[, entropy][, logp], lse_lo); bwd: (x, lse, ent, cot[, y]) ->
+    grad; each with its vocabulary-parallel form.
+
+    lse_lo is the low part of the log-sum-exp (lse + lse_lo, _online.lse_parts). The backward
+    takes lse as [N] (lse_lo taken as 0: every softmax entry then loses |lse| * 2**-24) or as
+    [N, 2] = (lse, lse_lo) stacked, accurate whatever |lse|."""
     if impl == "triton":
         stats, fwd, bwd = _triton_slice_stats, _triton_rows_fwd, _triton_rows_bwd
     else:
@@ -86,7 +90,9 @@ def _row_fns(opts: RedOptions, impl: str, has_label: bool) -> dict[str, _shardin
                                        _sharding.global_vocab(x.shape[1], axes)))
 
     def bwd_local(x, lse, ent, cot, *y):
-        return (bwd(x, y[0] if y else None, lse, ent if opts.entropy else None, cot, opts),)
+        lse, lse_lo = (lse[:, 0], lse[:, 1]) if lse.ndim == 2 else (lse, jnp.zeros_like(lse))
+        return (bwd(x, y[0] if y else None, lse, lse_lo, ent if opts.entropy else None, cot,
+                    opts),)
 
     def bwd_vp(x, lse, ent, cot, *y, axes):
         if not y:
@@ -104,7 +110,7 @@ def _row_fns(opts: RedOptions, impl: str, has_label: bool) -> dict[str, _shardin
         cot = jnp.stack([g_lse, g_ent, jnp.where(owned, g_logp, 0.0)], axis=1)
         return bwd_local(x, lse, ent, cot, jnp.where(owned, local, 0))
 
-    n_out = 1 + opts.entropy + has_label
+    n_out = 2 + opts.entropy + has_label
     R, X = _sharding.ROW, _sharding.LIKE_X
     return dict(fwd=_sharding.RowFns(fwd_local, fwd_vp, (R,) * n_out),
                 bwd=_sharding.RowFns(bwd_local, bwd_vp, (X,)))

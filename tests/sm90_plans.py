@@ -60,7 +60,7 @@ def _reductions():
     for (dt, (n, v)), entropy, has_label in itertools.product(CASES, (False, True),
                                                                (False, True)):
         kw = dict(inv_temp=1.0 / 0.7, entropy=entropy, has_label=has_label, num_sms=SMS)
-        types = dict(y="*i32", lse="*fp32", ent="*fp32", cot="*fp32")
+        types = dict(y="*i32", lse="*fp32", lse_lo="*fp32", ent="*fp32", cot="*fp32")
         for plan in (red.red_fwd_plan, red.red_partials_plan, red.red_bwd_plan):
             yield from _specs(plan(n, v, **kw), dt, types)
 

@@ -90,7 +90,8 @@ class _CrossEntropy(torch.autograd.Function):
         x, y, lse, coef = saved
         n = x.shape[0]
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
-        coef = coef * cot[:, None]
+        coef = coef.clone()
+        coef[:, :3] *= cot[:, None]  # (a, b, c); lse_lo (fields 3 and 4) stays exact
         if g_lse is not None:
             coef[:, 0] += g_lse.reshape(-1).float()
         grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)

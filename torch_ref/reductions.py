@@ -20,17 +20,18 @@ def _plan(name, x, y, inv_temp, want_entropy):
 
 
 def _fwd(x, y, inv_temp, want_entropy):
-    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits: red_fwd_plan."""
+    """Per-row (lse, entropy or None, logp or None, lse_lo) of `[N, V]` logits: red_fwd_plan
+    (lse_lo: the low part of the log-sum-exp, for the backward)."""
     labels = {} if y is None else dict(y=y)
-    lse, ent, logp = run_plan(_plan("red_fwd_plan", x, y, inv_temp, want_entropy), x=x,
-                              **labels)
-    return lse, ent if want_entropy else None, logp if y is not None else None
+    lse, ent, logp, lse_lo = run_plan(_plan("red_fwd_plan", x, y, inv_temp, want_entropy),
+                                      x=x, **labels)
+    return lse, ent if want_entropy else None, logp if y is not None else None, lse_lo
 
 
-def _bwd(x, y, lse, ent, cot, inv_temp, want_entropy):
+def _bwd(x, y, lse, lse_lo, ent, cot, inv_temp, want_entropy):
     labels = {} if y is None else dict(y=y)
     return run_plan(_plan("red_bwd_plan", x, y, inv_temp, want_entropy), x=x, lse=lse,
-                    ent=ent if ent is not None else lse, cot=cot, **labels)[0]
+                    lse_lo=lse_lo, ent=ent if ent is not None else lse, cot=cot, **labels)[0]
 
 
 class _Reductions(torch.autograd.Function):
@@ -39,10 +40,10 @@ class _Reductions(torch.autograd.Function):
         vocab = logits.shape[-1]
         x = logits.reshape(-1, vocab).contiguous()
         y = None if labels is None else _checks.labels_to_int32(labels, None, vocab)
-        lse, ent, logp = _fwd(x, y, inv_temp, want_entropy)
+        lse, ent, logp, lse_lo = _fwd(x, y, inv_temp, want_entropy)
         ctx.inv_temp, ctx.want_entropy, ctx.shape = inv_temp, want_entropy, logits.shape
         ctx.has_label = y is not None
-        ctx.save_for_backward(x, y, lse, ent)
+        ctx.save_for_backward(x, y, lse, lse_lo, ent)
         ctx.set_materialize_grads(False)
         lead = logits.shape[:-1]
         return tuple(None if o is None else o.reshape(lead) for o in (lse, ent, logp))
@@ -50,12 +51,12 @@ class _Reductions(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lse, g_ent, g_logp):
         no_double_backward("logsumexp / entropy / token_logprobs")
-        x, y, lse, ent = ctx.saved_tensors
+        x, y, lse, lse_lo, ent = ctx.saved_tensors
         cot = torch.zeros(x.shape[0], 3, dtype=torch.float32, device=x.device)
         for i, g in enumerate((g_lse, g_ent, g_logp)):
             if g is not None:
                 cot[:, i] = g.reshape(-1).float()
-        grad = _bwd(x, y, lse, ent, cot, ctx.inv_temp, ctx.want_entropy)
+        grad = _bwd(x, y, lse, lse_lo, ent, cot, ctx.inv_temp, ctx.want_entropy)
         return grad.reshape(ctx.shape), None, None, None
 
 

@@ -150,6 +150,19 @@ def lse_from_stats(m, s):
     return jnp.where(s == 0, -jnp.inf, safe_max(m) + jnp.log(jnp.where(s == 0, 1.0, s)))
 
 
+def lse_parts(m, s):
+    """(hi, lo): the log-sum-exp from (max, sum relative to safe_max(max)) as an unevaluated
+    float32 sum, hi = lse_from_stats(m, s) and lo the part of safe_max(m) + log(s) that
+    rounding hi lost (TwoSum; 0 where hi is not finite). exp((z - hi) - lo) is a softmax entry
+    whose error does not grow with |lse| (see kernels/_online.lse_parts)."""
+    ms = safe_max(m)
+    ls = jnp.log(jnp.where(s == 0, 1.0, s))
+    hi = jnp.where(s == 0, -jnp.inf, ms + ls)
+    back = hi - ms
+    lo = (ms - (hi - back)) + (ls - back)
+    return hi, jnp.where(jnp.isfinite(hi), lo, 0.0)
+
+
 def poison_inf(lse):
     """+inf -> NaN: a loss or gradient built on a +inf lse is NaN (the NaN/+inf policy)."""
     return jnp.where(jnp.isposinf(lse), jnp.nan, lse)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import lse_from_stats, online_stats, transform, write_chunks
+from jax_fusedloss._xla.chunks import lse_parts, online_stats, transform, write_chunks
 from jax_fusedloss._xla.chunks import poison_inf
 
 
@@ -34,38 +34,43 @@ def coefs(lse, bad, scale, opts, vocab: int):
     return a, scale * (1.0 - eps), scale * eps / vocab
 
 
-def finish(lse, zy, sumz, y, row_scale, opts, vocab: int):
-    """Per-row (loss, coef[N, 3]) from a row's lse, z[y] and sum z over all `vocab` columns."""
+def finish(lse, lse_lo, zy, sumz, y, row_scale, opts, vocab: int):
+    """Per-row (loss, coef[N, 5]) from a row's log-sum-exp lse + lse_lo (lse_parts), z[y] and
+    sum z over all `vocab` columns; coef = (a, b, c, lse_lo * w, w) with w = 1, as
+    kernels/cross_entropy.py's COEF_FIELDS."""
     ignored, bad = label_state(y, vocab, opts.ignore_index)
     lse = poison_inf(lse)  # NaN/+inf policy: NaN loss and gradient row, see kernels
     eps, zl = opts.smoothing, opts.z_loss
-    loss = (1.0 - eps) * (lse - zy)
+    loss = (1.0 - eps) * ((lse - zy) + lse_lo)
     if eps > 0:
-        loss = loss + eps * (lse - sumz / vocab)
+        loss = loss + eps * ((lse - sumz / vocab) + lse_lo)
     if zl > 0:
         loss = loss + zl * lse * lse
     loss = jnp.where(bad, jnp.nan, jnp.where(ignored, 0.0, jnp.where(jnp.isnan(lse), jnp.nan,
                                                                      loss)))
     a, b, c = coefs(lse, bad, jnp.where(ignored, 0.0, row_scale), opts, vocab)
-    return loss, jnp.stack([a, b, c], axis=1)
+    return loss, jnp.stack([a, b, c, lse_lo, jnp.ones_like(a)], axis=1)
 
 
 def rows_fwd(x, y, row_scale, opts):
-    """Per-row (loss, lse, coef[N, 3]) for `[N, V]` logits; see kernels/cross_entropy.py."""
+    """Per-row (loss, lse, coef[N, 5]) for `[N, V]` logits; see kernels/cross_entropy.py."""
     m, s, sumz, zy = slice_stats(x, y, opts)
-    lse = lse_from_stats(m, s)
-    loss, coef = finish(lse, zy, sumz, y, row_scale, opts, x.shape[-1])
+    lse, lse_lo = lse_parts(m, s)
+    loss, coef = finish(lse, lse_lo, zy, sumz, y, row_scale, opts, x.shape[-1])
     return loss, lse, coef
 
 
 def rows_bwd(x, y, lse, coef, opts):
-    """Gradient `(a * softmax - b * onehot - c) * dz/dx`, written chunk by chunk."""
+    """Gradient `(a * softmax - b * onehot - c) * dz/dx`, written chunk by chunk; the softmax
+    is exp((z - lse) - lse_lo), lse_lo = coef[:, 3] / coef[:, 4] (0 where coef[:, 4] is 0:
+    a backward may scale every field by the row's cotangent)."""
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[:, None]
-    a, b, c = coef[:, 0:1], coef[:, 1:2], coef[:, 2:3]
+    a, b, c, lo_w, w = (coef[:, i:i + 1] for i in range(5))
+    lse_lo = jnp.where(w != 0, lo_w / jnp.where(w != 0, w, 1.0), 0.0)
 
     def chunk_grad(cols, xc):
         z, dz = transform(xc, 1.0, opts.softcap)
         onehot_b = jnp.where(cols[None, :] == y[:, None], b, 0.0)
-        return (a * jnp.exp(z - lse_safe) - onehot_b - c) * dz
+        return (a * jnp.exp((z - lse_safe) - lse_lo) - onehot_b - c) * dz
 
     return write_chunks(x, x.dtype, chunk_grad)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss._xla import cross_entropy as _ce
-from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, lse_from_stats,
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, lse_parts,
                                        rounded, row_blocks, stats_init, transform, whole_rows,
                                        write_chunks)
 from jax_fusedloss._xla.chunks import poison_inf, safe_max
@@ -26,37 +26,35 @@ def _smoothing(opts) -> bool:
     return opts.distill and opts.smoothing > 0
 
 
-def _update(m, s, z):
-    m_new = jnp.maximum(m, z.max(axis=1))
-    ms = safe_max(m_new)
-    return m_new, s * jnp.exp(m - ms) + jnp.exp(z - ms[:, None]).sum(axis=1)
-
-
-def vocab_stats(x: jax.Array, opts) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-    """In one walk over the vocabulary of `[N, V]` logits: the logsumexp of z * scale for each
-    scale of lse_scales(opts) (z the softcapped logits) and, with label smoothing, sum z (else
-    None); float32 [N] each."""
-    scales = lse_scales(opts)
-    smooth = _smoothing(opts)
+def vocab_stats(x: jax.Array, opts):
+    """One walk over the vocabulary of `[N, V]` logits, as kernels/_ce_core.slice_stats: the
+    max m of z (the softcapped logits), s = sum exp(z - m) (distill), s_kd = sum exp((z - m) /
+    T) (when the KD term has its own softmax) and sum z (label smoothing), the sums relative to
+    safe_max(m); float32 [N] each, None where the options do not need it."""
+    distill, kd, smooth = opts.distill, kd_stats_needed(opts), _smoothing(opts)
+    inv_temp = 1.0 / opts.temperature
     n, vocab = x.shape
 
     def step(carry, z, zsum):
-        out = tuple(v for i, scale in enumerate(scales)
-                    for v in _update(carry[2 * i], carry[2 * i + 1],
-                                     rounded(z * scale) if scale != 1.0 else z))
-        return out + ((carry[-1] + zsum.sum(axis=1),) if smooth else ())
-
-    def init(rows):
-        return sum((stats_init(rows, 2) for _ in scales), ()) + (
-            (jnp.zeros((rows,), jnp.float32),) if smooth else ())
+        m, s, s_kd, sz = carry
+        m_new = jnp.maximum(m, z.max(axis=1))
+        ms = safe_max(m_new)
+        d = z - ms[:, None]
+        if distill:
+            s = s * jnp.exp(m - ms) + jnp.exp(d).sum(axis=1)
+        if kd:
+            s_kd = s_kd * jnp.exp((m - ms) * inv_temp) + jnp.exp(rounded(d * inv_temp)).sum(
+                axis=1)
+        if smooth:
+            sz = sz + zsum.sum(axis=1)
+        return m_new, s, s_kd, sz
 
     if whole_rows():
         def rows(xb):
             z, _ = transform(xb, 1.0, opts.softcap)
-            return step(init(xb.shape[0]), z, z)
+            return step(stats_init(xb.shape[0], 4), z, z)
 
-        flat = row_blocks(x, rows, 2 * len(scales) + smooth,
-                          whole=opts.softcap is None and all(c == 1.0 for c in scales))
+        out = row_blocks(x, rows, 4, whole=opts.softcap is None and not (distill and kd))
     else:
         width, count = chunk_layout(vocab, n)
 
@@ -67,9 +65,20 @@ def vocab_stats(x: jax.Array, opts) -> tuple[tuple[jax.Array, ...], jax.Array | 
             keep = (start + jnp.arange(width)) >= owned
             return step(carry, jnp.where(keep, z, -jnp.inf), jnp.where(keep, z, 0.0))
 
-        flat = jax.lax.fori_loop(0, count, body, carry_like(x, init(n)))
-    lses = tuple(lse_from_stats(flat[2 * i], flat[2 * i + 1]) for i in range(len(scales)))
-    return lses, flat[-1] if smooth else None
+        out = jax.lax.fori_loop(0, count, body, carry_like(x, stats_init(n, 4)))
+    m, s, s_kd, sz = out
+    return m, s if distill else None, s_kd if kd else None, sz if smooth else None
+
+
+def _scaled_lse(m, s, scale):
+    """logsumexp(z * scale) from the max m of z and s = sum exp((z - safe_max(m)) * scale):
+    +inf where m * scale overflows (kernels/_ce_core.scaled_lse)."""
+    return jnp.where(s == 0, -jnp.inf, safe_max(m) * scale + jnp.log(jnp.where(s == 0, 1.0, s)))
+
+
+def _log_sum(s, lse):
+    """log(s), 0 for an empty sum, NaN where lse is NaN (kernels/kd.py's _log_sum)."""
+    return jnp.where(jnp.isnan(lse), jnp.nan, jnp.log(jnp.where(s == 0, 1.0, s)))
 
 
 def _entries(x, ids, lp, y, opts, vocab=None, xk=None):
@@ -99,36 +108,44 @@ def slice_gather(x, cols, offset):
     return jnp.where(inside, got, 0.0)
 
 
-def lse_scales(opts) -> tuple[float, ...]:
-    """The scales s of the logsumexp(z * s) over the vocabulary that rows_fwd needs."""
-    return (1.0,) * opts.distill + (1.0 / opts.temperature,) * kd_stats_needed(opts)
+def needs_vocab_pass(opts) -> bool:
+    """Whether rows_fwd walks the vocabulary ("topk" kd_loss only gathers K values)."""
+    return opts.distill or kd_stats_needed(opts)
 
 
-def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, lses=None, sumz=None, xk=None,
-             xy=None):
-    """Per-row loss [N] and stats [N, 5] = (lse(z), L, P, ce_a, kd_a); see kernels/kd.py.
+def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, vstats=None, xk=None, xy=None):
+    """Per-row loss [N] and stats [N, 9] = (lse(z), L, P, ce_a, kd_a, r, lg_x, r_L, lg_L); see
+    kernels/kd.py (STATS_FIELDS).
 
-    For one vocabulary slice of `vocab` columns, pass the merged `lses` (one per lse_scales),
-    the merged sum of z `sumz` (label smoothing), the teacher ids' logits `xk` and the labels'
-    logits `xy` (raw: the softcap is applied here)."""
+    For one vocabulary slice of `vocab` columns, pass `vstats`, the vocab_stats merged over
+    every slice, the teacher ids' logits `xk` and the labels' logits `xy` (raw: the softcap is
+    applied here)."""
     inv_temp = 1.0 / opts.temperature
-    kd_stats = kd_stats_needed(opts)
-    if lses is None:
-        lses, sumz = vocab_stats(x, opts) if lse_scales(opts) else ((), None)
-    neg = jnp.full(x.shape[:1], -jnp.inf, jnp.float32)
-    lse_x = lses[0] if opts.distill else neg
+    n = x.shape[0]
+    neg, zero = jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32)
+    if vstats is None:
+        vstats = vocab_stats(x, opts) if needs_vocab_pass(opts) else (neg, None, None, None)
+    m, s, s_kd, sumz = vstats
+    r = safe_max(m)
+    s = zero if s is None else s
+    lse_x, lse_lo = lse_parts(m, s)
     valid, p, zk, _, active, _ = _entries(x, ids, lp, y, opts, vocab, xk)
-    sk = zk * inv_temp
-    if opts.normalize == "full":
-        L = lses[-1] if kd_stats else lse_x
+    if opts.normalize != "full":
+        zv = jnp.where(valid, zk, -jnp.inf)
+        mk = zv.max(axis=1)
+        r_L = safe_max(mk)
+        s_L = jnp.exp(rounded((zv - r_L[:, None]) * inv_temp)).sum(axis=1)
+        L = _scaled_lse(mk, s_L, inv_temp)
+    elif kd_stats_needed(opts):
+        r_L, s_L, L = r, s_kd, _scaled_lse(m, s_kd, inv_temp)
     else:
-        sv = jnp.where(valid, sk, -jnp.inf)
-        mk = sv.max(axis=1)
-        L = lse_from_stats(mk, jnp.exp(sv - safe_max(mk)[:, None]).sum(axis=1))
+        r_L, s_L, L = r, s, lse_x
     # NaN/+inf policy (see kernels/kd.py): +inf statistics become NaN; p == 0 adds nothing,
     # a NaN teacher log-prob gives a NaN term.
     lse_x, L = poison_inf(lse_x), poison_inf(L)
-    kd = jnp.where(p == 0, 0.0, p * (lp - (sk - L[:, None]))).sum(axis=1)
+    lg_x, lg_L = _log_sum(s, lse_x), _log_sum(s_L, L)
+    log_q = rounded((zk - r_L[:, None]) * inv_temp) - lg_L[:, None]  # s[id] - L
+    kd = jnp.where(p == 0, 0.0, p * (lp - log_q)).sum(axis=1)
     P = p.sum(axis=1)
     ce_a = jnp.where(active, row_scale[:, 0], 0.0)
     kd_a = jnp.where(active, row_scale[:, 1], 0.0)
@@ -138,10 +155,10 @@ def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, lses=None, sumz=None
             safe = jnp.clip(y, 0, x.shape[1] - 1)
             xy = jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0].astype(jnp.float32)
         zy, _ = transform(xy, 1.0, opts.softcap)
-        ce, _ = _ce.finish(lse_x, zy, sumz, y, ce_a, opts,
+        ce, _ = _ce.finish(lse_x, lse_lo, zy, sumz, y, ce_a, opts,
                            x.shape[1] if vocab is None else vocab)
         loss = loss + ce_a * ce  # NaN for a bad label even where ce_a is 0
-    return loss, jnp.stack([lse_x, L, P, ce_a, kd_a], axis=1)
+    return loss, jnp.stack([lse_x, L, P, ce_a, kd_a, r, lg_x, r_L, lg_L], axis=1)
 
 
 def _duplicate_sums(ids, valid, p):
@@ -158,16 +175,16 @@ def _duplicate_sums(ids, valid, p):
 
 
 def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
-    """Gradient w.r.t. x for per-row weights stats[:, 3:5] (cotangent already folded in).
+    """Gradient w.r.t. x for per-row weights stats[:, 3:5] (cotangent already folded in), the
+    softmaxes from the references stats[:, 5:9].
 
     For one vocabulary slice starting at column `offset` of `vocab`, pass the teacher ids'
     logits `xk` (gathered over all slices); ids and labels stay global."""
     n = x.shape[0]
     inv_temp = 1.0 / opts.temperature
     full = opts.normalize == "full"
-    lse_x, L, P, ce_a, kd_a = (stats[:, i] for i in range(5))
-    lse_safe = jnp.where(jnp.isneginf(lse_x), 0.0, lse_x)[:, None]
-    L_safe = jnp.where(jnp.isneginf(L), 0.0, L)[:, None]
+    lse_x, L, P, ce_a, kd_a, r, lg_x, r_L, lg_L = (stats[:, i] for i in range(9))
+    r, lg_x, r_L, lg_L = (v[:, None] for v in (r, lg_x, r_L, lg_L))
     valid, p, zk, dzk, _, bad = _entries(x, ids, lp, y, opts, vocab, xk)
     if opts.distill:  # a is NaN for a bad label or a NaN lse: a NaN row
         a, b, c = (v[:, None] for v in _ce.coefs(lse_x, bad, ce_a, opts,
@@ -177,11 +194,12 @@ def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
 
     def chunk_grad(cols, xc):
         z, dz = transform(xc, 1.0, opts.softcap)
+        d = z - r  # softmaxes relative to the row max: no |lse| in the exponent's error
         g = jnp.zeros(z.shape, jnp.float32)
         if opts.distill:
-            g = a * jnp.exp(z - lse_safe) - jnp.where(cols[None, :] == y_local, b, 0.0) - c
-        if full:
-            g = g + coef_s * jnp.exp(rounded(z * inv_temp) - L_safe)
+            g = a * jnp.exp(d - lg_x) - jnp.where(cols[None, :] == y_local, b, 0.0) - c
+        if full:  # r_L = r
+            g = g + coef_s * jnp.exp(rounded(d * inv_temp) - lg_L)
         return g * dz if opts.softcap is not None else g
 
     if opts.distill or full:
@@ -189,11 +207,11 @@ def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
     else:
         grad = jnp.zeros(x.shape, x.dtype)
     sum_p, count = _duplicate_sums(ids, valid, p)
-    q = jnp.exp(zk * inv_temp - L_safe)
+    q = jnp.exp(rounded((zk - r_L) * inv_temp) - lg_L)
     mult = P[:, None] if full else P[:, None] * count
     g = (kd_a * inv_temp)[:, None] * (mult * q - sum_p)
     if opts.distill:
-        g = g + a * jnp.exp(zk - lse_safe) - jnp.where(ids == y[:, None], b, 0.0) - c
+        g = g + a * jnp.exp((zk - r) - lg_x) - jnp.where(ids == y[:, None], b, 0.0) - c
     if opts.softcap is not None:
         g = g * dzk
     local = ids - offset

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, row_blocks,
                                        stats_init, transform, whole_rows, write_chunks)
-from jax_fusedloss._xla.chunks import lse_from_stats, safe_max
+from jax_fusedloss._xla.chunks import lse_parts, safe_max
 
 
 def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
@@ -37,19 +37,20 @@ def merge_stats(m: jax.Array, s: jax.Array, u: jax.Array | None, axis: int):
 
 
 def finish(m, s, u, zy, labels, vocab: int):
-    """(lse, entropy, logp) from merged partials; u, zy may be None (output None).
+    """(lse, entropy, logp, lse_lo) from merged partials; u, zy may be None (output None).
 
     lse follows lse_from_stats (-inf, +inf or NaN for an empty, +inf or NaN row); entropy and
-    logp are NaN wherever lse is not finite."""
-    lse = lse_from_stats(m, s)
+    logp are NaN wherever lse is not finite; lse_lo is the low part of the log-sum-exp
+    (lse_parts), for rows_bwd."""
+    lse, lse_lo = lse_parts(m, s)
     finite = jnp.isfinite(lse)
     s_safe = jnp.where(finite, s, 1.0)
     ent = None if u is None else jnp.where(finite, jnp.log(s_safe) - u / s_safe, jnp.nan)
     logp = None
     if zy is not None:
         bad = (labels < 0) | (labels >= vocab)
-        logp = jnp.where(bad | ~finite, jnp.nan, zy - lse)
-    return lse, ent, logp
+        logp = jnp.where(bad | ~finite, jnp.nan, (zy - lse) - lse_lo)
+    return lse, ent, logp, lse_lo
 
 
 def slice_stats(x: jax.Array, y: jax.Array | None, opts):
@@ -69,7 +70,7 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
         m, s, u = row_blocks(
             x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3)
     else:
-        width, count = chunk_layout(vocab)
+        width, count = chunk_layout(vocab, n)
 
         def body(i, carry):
             start, owned = chunk_start(i, vocab, width)
@@ -88,17 +89,20 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
 
 
 def rows_fwd(x: jax.Array, y: jax.Array | None, opts):
-    """Per-row (lse, entropy or None, logp or None) of `[N, V]` logits, one chunked pass."""
+    """Per-row (lse, entropy or None, logp or None, lse_lo) of `[N, V]` logits, one chunked
+    pass."""
     m, s, u, zy = slice_stats(x, y, opts)
     return finish(m, s, u if opts.entropy else None, zy, y, x.shape[-1])
 
 
-def rows_bwd(x: jax.Array, y: jax.Array | None, lse, ent, cot, opts) -> jax.Array:
-    """Gradient for per-row cotangents cot = [N, 3] (g_lse, g_entropy, g_logp), chunk by chunk."""
+def rows_bwd(x: jax.Array, y: jax.Array | None, lse, lse_lo, ent, cot, opts) -> jax.Array:
+    """Gradient for per-row cotangents cot = [N, 3] (g_lse, g_entropy, g_logp), chunk by
+    chunk; log p = (z - lse) - lse_lo (lse_lo zeros where unknown)."""
     vocab = x.shape[-1]
     inv_temp = 1.0 / opts.temperature
     live = ~jnp.isneginf(lse)
     lse_safe = jnp.where(live, lse, 0.0)[:, None]
+    lse_lo = lse_lo[:, None]
     a = cot[:, 0]
     c = jnp.where(live, cot[:, 1], 0.0) if opts.entropy else None
     if c is not None:
@@ -113,7 +117,7 @@ def rows_bwd(x: jax.Array, y: jax.Array | None, lse, ent, cot, opts) -> jax.Arra
 
     def chunk_grad(cols, xc):
         z, _ = transform(xc, inv_temp, None)
-        logp = z - lse_safe
+        logp = (z - lse_safe) - lse_lo
         p = jnp.exp(logp)
         g = a * p
         if c is not None:

@@ -15,9 +15,8 @@ Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import load_tile, load_tile_hint, poison_inf, safe_max
-
-LOG2E = tl.constexpr(1.4426950408889634)
+from jax_fusedloss.kernels._online import (LOG2E, load_tile, load_tile_hint, poison_inf,
+                                           safe_max)
 
 
 @triton.jit
@@ -97,14 +96,16 @@ def ce_coefs(lse, V, smoothing, z_loss, bad, scale, HAS_ZLOSS: tl.constexpr):
 
 
 @triton.jit
-def ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
+def ce_row_finish(lse, lse_lo, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
                   HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
     """Per-row loss (unweighted: 0 for an ignored row, NaN for a bad label or a NaN or +inf
-    lse) and the gradient coefficients (a, b, c) for the row weight `scale`."""
+    lse) and the gradient coefficients (a, b, c) for the row weight `scale`. The log-sum-exp
+    is lse + lse_lo (_online.lse_parts; lse_lo = 0 where unknown): lse - z[y] is taken before
+    lse_lo is added, so the loss does not lose |lse| * 2**-24 to lse's rounding."""
     lse = poison_inf(lse)
-    loss = (1.0 - smoothing) * (lse - zy)
+    loss = (1.0 - smoothing) * ((lse - zy) + lse_lo)
     if HAS_SMOOTHING:
-        loss += smoothing * (lse - sumz / V)
+        loss += smoothing * ((lse - sumz / V) + lse_lo)
     if HAS_ZLOSS:
         loss += z_loss * lse * lse
     loss = tl.where(lse != lse, float("nan"), loss)

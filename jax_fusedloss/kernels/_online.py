@@ -5,6 +5,8 @@ Imports triton only. Every helper works on one tile of a row held in registers a
 import triton
 import triton.language as tl
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr):
@@ -100,6 +102,23 @@ def stats_to_lse(m, s):
     above -inf (s == 0), +inf for a row with a +inf entry and no NaN (s == +inf), NaN for a row
     with a NaN entry (s is NaN: whatever a NaN-dropping max did, exp(NaN - m) reached s)."""
     return tl.where(s == 0.0, float("-inf"), safe_max(m) + tl.log(s))
+
+
+@triton.jit
+def lse_parts(m, s):
+    """The log-sum-exp as an unevaluated sum hi + lo of two float32 from (max, sum relative to
+    safe_max(max)): hi = stats_to_lse(m, s) (the float32 lse) and lo = (safe_max(m) + log(s))
+    - hi exactly (Knuth's TwoSum; 0 where hi is not finite).
+
+    A softmax entry exp((z - hi) - lo) is then as accurate as at small logits: z - hi is exact
+    for z within a factor 2 of hi and lo (|lo| <= ulp(hi) / 2) restores what rounding hi lost,
+    where exp(z - hi) is off by up to |hi| * 2**-24 relative (0.4% at |lse| = 1e5)."""
+    ms = safe_max(m)
+    ls = tl.log(s)
+    hi = tl.where(s == 0.0, float("-inf"), ms + ls)
+    back = hi - ms
+    lo = (ms - (hi - back)) + (ls - back)
+    return hi, tl.where((hi > float("-inf")) & (hi < float("inf")), lo, 0.0)
 
 
 @triton.jit

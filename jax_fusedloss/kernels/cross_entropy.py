@@ -18,25 +18,33 @@ import triton.language as tl
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, slice_stats
-from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials,
-                                           load_tile_hint, merge_stats, stats_to_lse)
+from jax_fusedloss.kernels._online import (LOG2E, hint_multiple, load_field, load_partials,
+                                           load_tile_hint, lse_parts, merge_stats)
+
+# Per-row gradient coefficients, float32 [N, COEF_FIELDS] = (a, b, c, lse_lo * w, w): w = 1 as
+# written, and a backward that scales every field by a row's cotangent keeps lse_lo = field 3
+# / field 4 (0 where w = 0), the low part of the log-sum-exp (see _online.lse_parts).
+COEF_FIELDS = 5
 
 
 @triton.jit
-def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, a, b, c, start, stop, softcap,
+def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, lse_lo, a, b, c, start, stop, softcap,
                    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
-    """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop).
+    """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop), the softmax
+    as exp((z - lse) - lse_lo) (as many operations per column as exp(z - lse)).
 
     Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
     still sit in L2 when the fused kernel comes back for them.
     """
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+    lo2 = lse_lo * LOG2E
     n_tiles = tl.cdiv(stop - start, BLOCK_V)
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
         z, dz = load_tile_hint(row_ptr, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-        g = a * tl.exp(z - lse_safe) - tl.where(cols == label, b, 0.0) - c
+        p = tl.math.exp2((z - lse_safe) * LOG2E - lo2)
+        g = a * p - tl.where(cols == label, b, 0.0) - c
         if HAS_SOFTCAP:
             g = g * dz
         tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
@@ -44,21 +52,25 @@ def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, a, b, c, start, stop, soft
 
 
 @triton.jit
-def _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
+def _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
                          smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
                          HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr):
-    """Finishes a row from its statistics, stores loss, lse and coef = (a, b, c), returns the
-    coefficients (shared by the row path and the split merge)."""
+    """Finishes a row from its merged statistics (max, sum), stores loss, lse and coef
+    (COEF_FIELDS), returns (lse, lse_lo, a, b, c) (shared by the row path and the merge)."""
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
     scale = tl.where(ignored, 0.0, tl.load(row_scale_ptr + row))
-    loss, a, b, c = ce_row_finish(lse, zy, sumz, V, smoothing, z_loss, ignored, bad, scale,
-                                  HAS_SMOOTHING, HAS_ZLOSS)
+    lse, lse_lo = lse_parts(m, s)
+    loss, a, b, c = ce_row_finish(lse, lse_lo, zy, sumz, V, smoothing, z_loss, ignored, bad,
+                                  scale, HAS_SMOOTHING, HAS_ZLOSS)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
-    tl.store(coef_ptr + row * 3, a)
-    tl.store(coef_ptr + row * 3 + 1, b)
-    tl.store(coef_ptr + row * 3 + 2, c)
-    return a, b, c
+    out = coef_ptr + row * COEF_FIELDS
+    tl.store(out, a)
+    tl.store(out + 1, b)
+    tl.store(out + 2, c)
+    tl.store(out + 3, lse_lo)
+    tl.store(out + 4, 1.0)
+    return lse, lse_lo, a, b, c
 
 
 @triton.jit
@@ -87,12 +99,11 @@ def ce_fwd_kernel(
     m, s, _, sumz, zy = slice_stats(row_ptr, label, 0, V, softcap, 1.0, BLOCK_V, HAS_SOFTCAP,
                                     HAS_SMOOTHING, True, False,
                                     "evict_last" if WRITE_GRAD else "")
-    lse = stats_to_lse(m, s)
-    a, b, c = _ce_finish_and_store(row, lse, zy, sumz, labels_ptr, row_scale_ptr, V,
-                                   ignore_index, smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
-                                   HAS_SMOOTHING, HAS_ZLOSS)
+    lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr,
+                                                V, ignore_index, smoothing, z_loss, loss_ptr,
+                                                lse_ptr, coef_ptr, HAS_SMOOTHING, HAS_ZLOSS)
     if WRITE_GRAD:
-        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, lse, a, b, c, 0, V, softcap,
+        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, lse, lse_lo, a, b, c, 0, V, softcap,
                        BLOCK_V, HAS_SOFTCAP, "evict_first")
 
 
@@ -144,9 +155,9 @@ def ce_merge_kernel(
     m, s = merge_stats(load_field(base, valid, 0, True), load_field(base, valid, 1, False))
     sumz = tl.sum(load_field(base, valid, 2, False), axis=0)
     zy = tl.sum(load_field(base, valid, 3, False), axis=0)
-    _ce_finish_and_store(row, stats_to_lse(m, s), zy, sumz, labels_ptr, row_scale_ptr, V,
-                         ignore_index, smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr,
-                         HAS_SMOOTHING, HAS_ZLOSS)
+    _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
+                         smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr, HAS_SMOOTHING,
+                         HAS_ZLOSS)
 
 
 @triton.jit
@@ -160,20 +171,23 @@ def ce_bwd_kernel(
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c)
-    (a is NaN for a bad label, as the forward wrote it)."""
+    """Grid (N, NUM_SPLITS): gradient of one slice from lse and per-row coefficients (a, b, c,
+    lse_lo * w, w) (a is NaN for a bad label, as the forward wrote it)."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
     label = tl.load(labels_ptr + row).to(tl.int32)
-    a = tl.load(coef_ptr + row * 3)
-    b = tl.load(coef_ptr + row * 3 + 1)
-    c = tl.load(coef_ptr + row * 3 + 2)
+    coef = coef_ptr + row * COEF_FIELDS
+    a = tl.load(coef)
+    b = tl.load(coef + 1)
+    c = tl.load(coef + 2)
+    w = tl.load(coef + 4)
+    lse_lo = tl.where(w != 0.0, tl.load(coef + 3) / tl.where(w != 0.0, w, 1.0), 0.0)
     _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label,
-                   tl.load(lse_ptr + row), a, b, c, start, stop, softcap, BLOCK_V, HAS_SOFTCAP,
-                   "")
+                   tl.load(lse_ptr + row), lse_lo, a, b, c, start, stop, softcap, BLOCK_V,
+                   HAS_SOFTCAP, "")
 
 
 @triton.jit
@@ -228,9 +242,10 @@ def ce_partials_launch(n: int, vocab: int, softcap, smoothing: float, num_sms: i
 
 def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_loss: float,
                 softcap, num_sms: int, write_grad: bool, in_place: bool = False) -> Plan:
-    """x, y, row_scale -> loss, lse, coef [N, 3] (and grad, the unit-cotangent gradient scaled
-    by row_scale, with write_grad). Many rows: one program per row, the gradient written in the
-    same program. Few rows: partials per vocabulary slice, a merge, then the gradient pass.
+    """x, y, row_scale -> loss, lse, coef [N, COEF_FIELDS] (and grad, the unit-cotangent
+    gradient scaled by row_scale, with write_grad). Many rows: one program per row, the
+    gradient written in the same program. Few rows: partials per vocabulary slice, a merge,
+    then the gradient pass.
 
     With write_grad and in_place the gradient overwrites x (aliased): for logits that are dead
     afterwards (linear_cross_entropy's chunks), never a caller's. Safe because every program
@@ -241,7 +256,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     cfg = row_config(n, vocab, num_sms, write_grad)
     alias = ((0, 3),) if write_grad and in_place else ()
     rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
-            Buf("coef", (n, 3), "float32"))
+            Buf("coef", (n, COEF_FIELDS), "float32"))
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)

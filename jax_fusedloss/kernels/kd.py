@@ -26,15 +26,20 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._ce_core import (LOG2E, ce_coefs, ce_row_finish, label_state,
+from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state,
                                             merge_scaled, scaled_lse, slice_stats)
-from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
-                                           load_tile_hint, merge_stats, poison_inf, safe_max,
-                                           stats_to_lse)
+from jax_fusedloss.kernels._online import (LOG2E, hint_multiple, load_field, load_partials,
+                                           load_tile, load_tile_hint, lse_parts, merge_stats,
+                                           poison_inf, safe_max)
 from jax_fusedloss.kernels.launch import merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
+# Per-row statistics, float32 [N, STATS_FIELDS] = (lse(z), L, P, ce_a, kd_a, r, lg_x, r_L,
+# lg_L): the row weights ce_a, kd_a at 3:5 (a backward folds its cotangent into them); the
+# softmaxes as softmax(z) = exp((z - r) - lg_x) and softmax(s) = exp((z - r_L) / T - lg_L)
+# at the ids (r_L = r unless "topk"), accurate whatever |lse|.
+STATS_FIELDS = 9
 
 
 @triton.jit
@@ -69,34 +74,45 @@ def _gather(x_row, ids, valid, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _dense_offsets(lse_x, L, P, a, kd_a, inv_temp, FULL: tl.constexpr, KD_STATS: tl.constexpr):
-    """Exponent offsets and signs of the dense gradient, coef_x * softmax(z)_j +
-    coef_s * softmax(s)_j = sgn_x * exp2(z_j * LOG2E - off_x) + sgn_s * exp2(z_j * inv_temp *
-    LOG2E - off_s): each coefficient's magnitude (0 gives offset +inf and a zero term) is
-    folded into its exponent, so a column costs one FMA and one exp2 per term. With FULL and
-    no KD_STATS the temperature is 1 and both softmaxes are one. A NaN `a` (a bad label, a NaN
-    lse) makes off_x NaN: a NaN row, no per-column check."""
+def _log_sum(s, lse):
+    """log(s) of a softmax sum, 0 for an empty one (s == 0), NaN where its lse is NaN (the
+    NaN/+inf policy: a NaN row gradient)."""
+    return tl.where(lse != lse, float("nan"), tl.log(tl.where(s == 0.0, 1.0, s)))
+
+
+@triton.jit
+def _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL: tl.constexpr,
+                   KD_STATS: tl.constexpr):
+    """Exponent offsets and signs of the dense gradient, relative to the row's max r of z:
+    coef_x * softmax(z)_j + coef_s * softmax(s)_j = sgn_x * exp2((z_j - r) * LOG2E - off_x) +
+    sgn_s * exp2((z_j - r) * inv_temp * LOG2E - off_s), with lg_x = log sum exp(z - r) and
+    lg_L = log sum exp((z - r) / T): each coefficient's magnitude (0 gives offset +inf and a
+    zero term) is folded into its exponent, so a column costs one subtraction, then one FMA
+    and one exp2 per term, and z - r is exact where z is near the max (a float32 lse would
+    lose |lse| * 2**-24 in every exponent). With FULL and no KD_STATS the temperature is 1 and
+    both softmaxes are one. A NaN `a` (a bad label, a NaN lse) or lg makes an offset NaN: a
+    NaN row, no per-column check."""
     coef_x = a
     coef_s = kd_a * inv_temp * P
     if FULL:
         if not KD_STATS:
             coef_x = a + coef_s
-    off_x = safe_max(lse_x) * LOG2E - tl.log2(tl.abs(coef_x))
-    off_s = safe_max(L) * LOG2E - tl.log2(tl.abs(coef_s))
+    off_x = lg_x * LOG2E - tl.log2(tl.abs(coef_x))
+    off_s = lg_L * LOG2E - tl.log2(tl.abs(coef_s))
     return off_x, tl.where(coef_x < 0.0, -1.0, 1.0), off_s, tl.where(coef_s < 0.0, -1.0, 1.0)
 
 
 @triton.jit
-def _dense_value(z, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.constexpr,
+def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.constexpr,
                  KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_SMOOTHING: tl.constexpr):
-    """The dense gradient at columns z (dz = dz/dx): (coef_x softmax(z) + coef_s softmax(s)
-    - c) * dz."""
-    g = tl.zeros_like(z)
+    """The dense gradient at columns with d = z - r (dz = dz/dx): (coef_x softmax(z) +
+    coef_s softmax(s) - c) * dz."""
+    g = tl.zeros_like(d)
     if CE_STATS:
-        g += sgn_x * tl.math.exp2(z * LOG2E - off_x)
+        g += sgn_x * tl.math.exp2(d * LOG2E - off_x)
     if KD_STATS:
-        g += sgn_s * tl.math.exp2(z * (inv_temp * LOG2E) - off_s)
+        g += sgn_s * tl.math.exp2(d * (inv_temp * LOG2E) - off_s)
     if HAS_SMOOTHING:
         g -= c
     if HAS_SOFTCAP:
@@ -105,12 +121,14 @@ def _dense_value(z, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
 
 
 @triton.jit
-def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, lse_x, L, P,
-                a, b, c, kd_a, inv_temp, softcap, start, stop, EVICTION: tl.constexpr,
+def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, r, lg_x, r_L,
+                lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop, EVICTION: tl.constexpr,
                 BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                 FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """Writes the unit-cotangent gradient of columns [start, stop) of one row.
+    """Writes the unit-cotangent gradient of columns [start, stop) of one row, from the row's
+    softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) at an
+    id = exp((z - r_L) / T - lg_L)).
 
     1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile, walking
        backwards (the tiles the statistics pass read last are the likeliest to be in L2);
@@ -121,15 +139,16 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
     3. The label column (distill) when it is not a teacher id: dense value - b.
     Every column is multiplied by dz/dx with a softcap.
     """
-    off_x, sgn_x, off_s, sgn_s = _dense_offsets(lse_x, L, P, a, kd_a, inv_temp, FULL, KD_STATS)
+    off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
+                                                KD_STATS)
     n_tiles = tl.cdiv(stop - start, BLOCK_V)
     for i in range(0, n_tiles):
         cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         mask = cols < stop
         if DISTILL or KD_STATS:
             z, dz = load_tile_hint(x_row, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-            g = _dense_value(z, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
-                             HAS_SOFTCAP, HAS_SMOOTHING)
+            g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
+                             KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
         else:
             g = tl.zeros([BLOCK_V], tl.float32)
         tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
@@ -145,13 +164,13 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
         same = (ids[:, None] == idj[None, :]) & vj[None, :]
         sum_p += tl.sum(tl.where(same, pj[None, :], 0.0), axis=1)
         count += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
-    q = tl.exp(zk * inv_temp - safe_max(L))
+    q = tl.exp((zk - r_L) * inv_temp - lg_L)
     if FULL:
         g = kd_a * inv_temp * (P * q - sum_p)
     else:
         g = kd_a * inv_temp * (P * count * q - sum_p)
     if DISTILL:
-        g += a * tl.exp(zk - safe_max(lse_x)) - tl.where(ids == label, b, 0.0) - c
+        g += a * tl.exp((zk - r) - lg_x) - tl.where(ids == label, b, 0.0) - c
     if HAS_SOFTCAP:
         g = g * dzk
     own = valid & (ids >= start) & (ids < stop)
@@ -163,8 +182,8 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
         own_y = (y >= start) & (y < stop)
         zy, dzy = load_tile_hint(x_row, tl.where(own_y, y, 0), own_y, 1.0, softcap, HAS_SOFTCAP,
                                  "")
-        gy = _dense_value(zy, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
-                          False, HAS_SMOOTHING) - b
+        gy = _dense_value(zy - r, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
+                          KD_STATS, False, HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
             gy = gy * dzy
         tl.store(grad_row_ptr + tl.where(own_y, y, 0), gy.to(grad_row_ptr.dtype.element_ty),
@@ -178,7 +197,7 @@ def kd_fwd_kernel(
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, part_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
-    # outputs: loss [N], stats [N, 5] = (lse(z), L, P, ce_a, kd_a), grad [N, V] (WRITE_GRAD)
+    # outputs: loss [N], stats [N, STATS_FIELDS], grad [N, V] (WRITE_GRAD)
     loss_ptr, stats_ptr, grad_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
@@ -213,24 +232,34 @@ def kd_fwd_kernel(
         m, s, s_kd, sumz, _ = slice_stats(x_row, -1, 0, V, softcap, inv_temp, BLOCK_V,
                                           HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS,
                                           "evict_last" if WRITE_GRAD else "")
-    lse_x = stats_to_lse(m, s)
+    # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
+    # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
+    lse_x, lse_lo = lse_parts(m, s)
+    r = safe_max(m)
     L = scaled_lse(m, s_kd, inv_temp)
+    r_L = r
+    s_L = s_kd
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     zk, _ = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
-    sk = zk * inv_temp
     if FULL:
         if not KD_STATS:
             L = lse_x
+            s_L = s
     else:
-        sv = tl.where(valid, sk, float("-inf"))
-        mk = tl.max(sv, axis=0)
-        L = stats_to_lse(mk, tl.sum(tl.exp(sv - safe_max(mk)), axis=0))
+        zv = tl.where(valid, zk, float("-inf"))
+        mk = tl.max(zv, axis=0)
+        r_L = safe_max(mk)
+        s_L = tl.sum(tl.math.exp2((zv - r_L) * (inv_temp * LOG2E)), axis=0)
+        L = scaled_lse(mk, s_L, inv_temp)
     # NaN/+inf policy: a NaN or +inf logit in the row gives NaN statistics (poison_inf), so
     # the loss and (through the offsets of _write_grad) the gradient row are NaN; an entry with
     # p == 0 adds nothing, but a NaN teacher log-prob gives a NaN term.
     lse_x = poison_inf(lse_x)
     L = poison_inf(L)
-    kd = tl.sum(tl.where(p == 0.0, 0.0, p * (lp - (sk - L))), axis=0)
+    lg_x = _log_sum(s, lse_x)
+    lg_L = _log_sum(s_L, L)
+    log_q = (zk - r_L) * inv_temp - lg_L  # s[id] - L
+    kd = tl.sum(tl.where(p == 0.0, 0.0, p * (lp - log_q)), axis=0)
     P = tl.sum(p, axis=0)
     ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
     kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
@@ -242,20 +271,26 @@ def kd_fwd_kernel(
         in_range = (label >= 0) & (label < V)
         zy, _ = load_tile(x_row, tl.where(in_range, label, 0), in_range, 1.0, softcap,
                           HAS_SOFTCAP)
-        ce, a, b, c = ce_row_finish(lse_x, tl.where(in_range, zy, 0.0), sumz, V, smoothing,
-                                    z_loss, ~active, bad, ce_a, HAS_SMOOTHING, HAS_ZLOSS)
+        ce, a, b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
+                                    smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
+                                    HAS_ZLOSS)
         loss += ce_a * ce  # NaN for a bad label even where ce_a is 0
     tl.store(loss_ptr + row, loss)
-    out = stats_ptr + row * 5
+    out = stats_ptr + row * STATS_FIELDS
     tl.store(out, lse_x)
     tl.store(out + 1, L)
     tl.store(out + 2, P)
     tl.store(out + 3, ce_a)
     tl.store(out + 4, kd_a)
+    tl.store(out + 5, r)
+    tl.store(out + 6, lg_x)
+    tl.store(out + 7, r_L)
+    tl.store(out + 8, lg_L)
     if WRITE_GRAD:
         _write_grad(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label,
-                    lse_x, L, P, a, b, c, kd_a, inv_temp, softcap, 0, V, "evict_first", BLOCK_V,
-                    BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+                    r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, 0, V, "evict_first",
+                    BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
+                    HAS_SMOOTHING)
 
 
 @triton.jit
@@ -312,20 +347,17 @@ def kd_bwd_kernel(
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
-    st = stats_ptr + row * 5
-    lse_x = tl.load(st)
-    L = tl.load(st + 1)
-    P = tl.load(st + 2)
-    kd_a = tl.load(st + 4)
+    st = stats_ptr + row * STATS_FIELDS
     a = 0.0
     b = 0.0
     c = 0.0
     if DISTILL:
-        a, b, c = ce_coefs(lse_x, V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
+        a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
     _write_grad(logits_ptr + row * stride_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row,
-                V, K, active, label, lse_x, L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
-                "", BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
-                HAS_SMOOTHING)
+                V, K, active, label, tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
+                tl.load(st + 8), tl.load(st + 2), a, b, c, tl.load(st + 4), inv_temp, softcap,
+                start, stop, "", BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS,
+                HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int,
@@ -356,12 +388,12 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
                 distill: bool, ignore_index: int, num_sms: int, write_grad: bool,
                 smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None
                 ) -> Plan:
-    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, 5] (and grad, the unit-cotangent
-    gradient, with write_grad). Many rows: one program per row walks the vocabulary once and
-    writes the gradient; few rows: partials per vocabulary slice (when the options need a
-    vocabulary walk), one program per row merges them, then a split gradient pass.
-    smoothing and z_loss apply to distill's cross-entropy term, softcap to the logits both
-    terms see."""
+    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the
+    unit-cotangent gradient, with write_grad). Many rows: one program per row walks the
+    vocabulary once and writes the gradient; few rows: partials per vocabulary slice (when the
+    options need a vocabulary walk), one program per row merges them, then a split gradient
+    pass. smoothing and z_loss apply to distill's cross-entropy term, softcap to the logits
+    both terms see."""
     cfg = row_config(n, vocab, num_sms, write_grad)
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
     inv_temp = 1.0 / temperature
@@ -382,7 +414,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     launches.append(Launch(
         kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
-        (Buf("loss", (n,), "float32"), Buf("stats", (n, 5), "float32"), grad),
+        (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS), "float32"), grad),
         cfg.num_warps if fused else 4,
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align, **flags)))

@@ -5,7 +5,9 @@ Per row, with z = x * inv_temp, lse = logsumexp(z), p = softmax(z) and label y:
 where, relative to the row max m, s = sum_j exp(z_j - m) and u = sum_j (z_j - m) exp(z_j - m).
 Keeping u relative to the running max (instead of sum z exp(z - m)) avoids the cancellation
 of lse - E[z] when the logits are large. A slice of the row gives partials (m, s, u, z_y or 0);
-partials merge with identity (-inf, 0, 0, 0).
+partials merge with identity (-inf, 0, 0, 0). The forward also writes lse_lo, the low part of
+the log-sum-exp (_online.lse_parts: lse + lse_lo is exact to a few ulp of a small number), and
+log p = (z - lse) - lse_lo in logp and the backward, so neither loses |lse| * 2**-24.
 
 Gradient for per-row cotangents (g_lse, g_H, g_logp):
     dx_j = inv_temp * (p_j * (g_lse - g_logp - g_H * H) - g_H * p_j log p_j + g_logp [j == y]).
@@ -22,7 +24,7 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
-                                           safe_max, stats_to_lse, tile_update)
+                                           lse_parts, safe_max, tile_update)
 from jax_fusedloss.kernels.launch import RowConfig, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
@@ -72,11 +74,13 @@ def _red_slice_stats(row_ptr, label, start, stop, inv_temp, BLOCK_V: tl.constexp
 
 
 @triton.jit
-def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr,
+def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
                 HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
-    """Writes a row's lse and, if asked, entropy and label log-prob from its merged partials."""
-    lse = stats_to_lse(m, s)
+    """Writes a row's lse, the low part lse_lo of its log-sum-exp (_online.lse_parts, for the
+    backward) and, if asked, entropy and label log-prob from its merged partials."""
+    lse, lse_lo = lse_parts(m, s)
     tl.store(lse_ptr + row, lse)
+    tl.store(lo_ptr + row, lse_lo)
     finite = (lse > float("-inf")) & (lse < float("inf"))  # False for NaN too
     if HAS_ENTROPY:
         s_safe = tl.where(finite, s, 1.0)
@@ -84,7 +88,7 @@ def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr,
         tl.store(ent_ptr + row, ent)
     if HAS_LABEL:
         bad = (label < 0) | (label >= V)
-        tl.store(logp_ptr + row, tl.where(bad | ~finite, float("nan"), zy - lse))
+        tl.store(logp_ptr + row, tl.where(bad | ~finite, float("nan"), (zy - lse) - lse_lo))
 
 
 @triton.jit
@@ -94,8 +98,8 @@ def red_fwd_kernel(
     # sizes, strides, options
     V, stride_row, inv_temp,
     # outputs: partials float32 [N, NUM_SPLITS, 4] = (m, s, u, z[y] or 0) unless FINISH;
-    # per-row lse, entropy, log-prob if FINISH (unused ones may be 1-element dummies)
-    part_ptr, lse_ptr, ent_ptr, logp_ptr,
+    # per-row lse, entropy, log-prob, lse_lo if FINISH (unused ones may be 1-element dummies)
+    part_ptr, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_LABEL: tl.constexpr, FINISH: tl.constexpr, ALIGN: tl.constexpr,
@@ -117,7 +121,7 @@ def red_fwd_kernel(
     m, s, u, zy = _red_slice_stats(logits_ptr + row * stride_row, label, start, stop, inv_temp,
                                    BLOCK_V, HAS_ENTROPY, HAS_LABEL)
     if FINISH:
-        _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, HAS_ENTROPY,
+        _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
                     HAS_LABEL)
     else:
         out = part_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * 4
@@ -134,7 +138,7 @@ def red_merge_kernel(
     # sizes
     V,
     # outputs (unused ones may be 1-element dummies)
-    lse_ptr, ent_ptr, logp_ptr,
+    lse_ptr, ent_ptr, logp_ptr, lo_ptr,
     # constexprs
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_LABEL: tl.constexpr,
@@ -152,14 +156,14 @@ def red_merge_kernel(
         label = tl.load(labels_ptr + row).to(tl.int32)
         zy = tl.sum(load_field(base, valid, 3, False), axis=0)
     _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
-                logp_ptr, HAS_ENTROPY, HAS_LABEL)
+                logp_ptr, lo_ptr, HAS_ENTROPY, HAS_LABEL)
 
 
 @triton.jit
 def red_bwd_kernel(
-    # pointers: cot is float32 [N, 3] = (g_lse, g_entropy, g_logp); ent unused without
-    # HAS_ENTROPY, labels unused without HAS_LABEL
-    logits_ptr, labels_ptr, lse_ptr, ent_ptr, cot_ptr,
+    # pointers: cot is float32 [N, 3] = (g_lse, g_entropy, g_logp); lse_lo the forward's (or
+    # zeros); ent unused without HAS_ENTROPY, labels unused without HAS_LABEL
+    logits_ptr, labels_ptr, lse_ptr, lo_ptr, ent_ptr, cot_ptr,
     # sizes, strides, options
     V, stride_row, inv_temp,
     # outputs
@@ -168,7 +172,8 @@ def red_bwd_kernel(
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_LABEL: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid (N, NUM_SPLITS): the gradient of one slice for the combined cotangents."""
+    """Grid (N, NUM_SPLITS): the gradient of one slice for the combined cotangents; log p is
+    (z - lse) - lse_lo, accurate whatever |lse|."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -177,6 +182,7 @@ def red_bwd_kernel(
     lse = tl.load(lse_ptr + row)
     live = lse != float("-inf")  # an all -inf row gets a zero gradient
     lse_safe = tl.where(live, lse, 0.0)
+    lse_lo = tl.load(lo_ptr + row)
     a = tl.load(cot_ptr + row * 3)
     c = tl.zeros([], tl.float32)
     if HAS_ENTROPY:
@@ -197,7 +203,7 @@ def red_bwd_kernel(
         cols = off + tl.arange(0, BLOCK_V)
         mask = cols < stop
         z, _ = load_tile(row_ptr, cols, mask, inv_temp, 1.0, False)
-        logp = z - lse_safe
+        logp = (z - lse_safe) - lse_lo
         p = tl.exp(logp)
         g = a * p
         if HAS_ENTROPY:
@@ -222,7 +228,7 @@ def _label_input(has_label: bool):
 
 
 def _partials_launch(n, vocab, inv_temp, entropy, has_label, cfg) -> Launch:
-    none = [placeholder(f"unused{i}") for i in range(3)]
+    none = [placeholder(f"unused{i}") for i in range(4)]
     return Launch(red_fwd_kernel, (n, cfg.num_splits), ("x", _label_input(has_label)),
                   (vocab, vocab, inv_temp),
                   (Buf("part", (n, cfg.num_splits, 4), "float32"), *none), cfg.num_warps,
@@ -232,24 +238,26 @@ def _partials_launch(n, vocab, inv_temp, entropy, has_label, cfg) -> Launch:
 
 def red_fwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
                  num_sms: int) -> Plan:
-    """x[, y] -> lse, ent, logp (ent and logp are 1-element placeholders unless asked for).
+    """x[, y] -> lse, ent, logp, lse_lo (ent and logp are 1-element placeholders unless asked
+    for; lse_lo is the low part of the log-sum-exp, _online.lse_parts, for red_bwd_plan).
     Many rows: one program per row; few rows: partials per vocabulary slice, then a merge."""
     cfg = reduction_config(n, vocab, num_sms)
     flags = dict(HAS_ENTROPY=entropy, HAS_LABEL=has_label)
     outs = (Buf("lse", (n,), "float32"),
             Buf("ent", (n,), "float32") if entropy else placeholder("ent"),
-            Buf("logp", (n,), "float32") if has_label else placeholder("logp"))
+            Buf("logp", (n,), "float32") if has_label else placeholder("logp"),
+            Buf("lse_lo", (n,), "float32"))
     if cfg.num_splits == 1:
         return Plan((Launch(red_fwd_kernel, (n,), ("x", _label_input(has_label)),
                             (vocab, vocab, inv_temp), (placeholder("part"),) + outs,
                             cfg.num_warps,
                             dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True,
-                                 ALIGN=cfg.align, **flags)),), ("lse", "ent", "logp"))
+                                 ALIGN=cfg.align, **flags)),), ("lse", "ent", "logp", "lse_lo"))
     merge = Launch(red_merge_kernel, (n,), ("part", _label_input(has_label)), (vocab,), outs, 1,
                    dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
                         **flags))
     return Plan((_partials_launch(n, vocab, inv_temp, entropy, has_label, cfg), merge),
-                ("lse", "ent", "logp"))
+                ("lse", "ent", "logp", "lse_lo"))
 
 
 def red_partials_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
@@ -262,10 +270,11 @@ def red_partials_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has
 
 def red_bwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
                  num_sms: int) -> Plan:
-    """x, lse, ent, cot [N, 3][, y] -> grad (ent is read only with entropy)."""
+    """x, lse, lse_lo, ent, cot [N, 3][, y] -> grad (ent is read only with entropy; lse_lo
+    zeros where unknown, at the cost of |lse| * 2**-24 in every softmax entry)."""
     cfg = reduction_config(n, vocab, num_sms, write_grad=True)
     return Plan((Launch(red_bwd_kernel, (n, cfg.num_splits),
-                        ("x", _label_input(has_label), "lse", "ent", "cot"),
+                        ("x", _label_input(has_label), "lse", "lse_lo", "ent", "cot"),
                         (vocab, vocab, inv_temp), (Buf("grad", (n, vocab), LOGITS),),
                         cfg.num_warps,
                         dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
