@@ -1,6 +1,6 @@
 """distill_loss's cross-entropy options (label_smoothing, z_loss, logit_softcap): the Triton
-kernels (interpreter) on both launch paths, the XLA twin and torch_ref against a float64
-formula written out here, values and gradients.
+kernels (the interpreter on CPU, compiled on a GPU) on both launch paths, the XLA twin and
+torch_ref against a float64 formula written out here, values and gradients.
 
 The formula is the docstring's: with z = c * tanh(x / c) (or x),
     loss = alpha * CE(z, y; smoothing, z-loss) + (1 - alpha) * KL_T(z)
@@ -134,7 +134,7 @@ def run(impl, x, y, ids, lp, mask, w, grad=True, **opts):
 
 
 @pytest.mark.parametrize("case,dtype,impl,path_name", GRID)
-def test_options_against_float64(impl, path_name, case, dtype, monkeypatch, interpreter):
+def test_options_against_float64(impl, path_name, case, dtype, monkeypatch):
     force_path(path_name, monkeypatch)
     options, reduction, normalize, t = CASES[case]
     shape, k = SHAPES[path_name]
@@ -156,7 +156,7 @@ def test_options_against_float64(impl, path_name, case, dtype, monkeypatch, inte
 
 
 @pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
-def test_bad_label_is_nan_and_isolated_with_options(impl, interpreter):
+def test_bad_label_is_nan_and_isolated_with_options(impl):
     """A label outside [0, V) gives that token NaN loss and a NaN gradient row, with every
     option on; the other tokens are unaffected."""
     x, y, ids, lp, mask, w = make_inputs(11, (4, 37), 8, "float32")
@@ -169,7 +169,7 @@ def test_bad_label_is_nan_and_isolated_with_options(impl, interpreter):
 
 
 @pytest.mark.parametrize("impl", ["triton", "xla"])
-def test_alpha_one_is_cross_entropy_with_the_same_options(impl, interpreter):
+def test_alpha_one_is_cross_entropy_with_the_same_options(impl):
     """alpha = 1 is cross_entropy with the same smoothing, z-loss and softcap."""
     x, y, ids, lp, mask, _ = make_inputs(12, (5, 37), 8, "float32")
     ce = jax.jit(jax.value_and_grad(lambda x: jax_fusedloss.cross_entropy(

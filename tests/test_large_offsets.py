@@ -222,7 +222,7 @@ def errors(op, impl, path_name, monkeypatch, dtype=jnp.float32, std=1.0):
 
 
 @pytest.mark.parametrize("op,impl,path_name", list(cases()))
-def test_float32_large_offsets(op, impl, path_name, monkeypatch, interpreter):
+def test_float32_large_offsets(op, impl, path_name, monkeypatch):
     value_err, grad_err = errors(op, impl, path_name, monkeypatch)
     report = ", ".join(f"{o:g}: {g:.1e}" for o, g in zip(OFFSETS, grad_err))
     assert grad_err.max() <= GRAD_BOUND and value_err <= VALUE_BOUND, (
@@ -233,7 +233,7 @@ def test_float32_large_offsets(op, impl, path_name, monkeypatch, interpreter):
 @pytest.mark.parametrize("impl,path_name", [("triton", "rows"), ("triton", "split"),
                                             ("xla", "rows")])
 @pytest.mark.parametrize("op", ["cross_entropy_none_lse", "reductions", "distill"])
-def test_bfloat16_at_an_offset(op, impl, path_name, monkeypatch, interpreter):
+def test_bfloat16_at_an_offset(op, impl, path_name, monkeypatch):
     """bfloat16 logits N(0, 8**2) + offset: one bfloat16 rounding of the gradient at most."""
     _, grad_err = errors(op, impl, path_name, monkeypatch, jnp.bfloat16, std=8.0)
     assert grad_err.max() <= GRAD_TOL["bfloat16"], (op, impl, path_name, grad_err)
