@@ -153,7 +153,8 @@ class _CrossEntropy(_op.RowOp):
     """(x, y) -> (loss, lse). Row functions: x, y, row_scale -> loss, lse, coef [N, 3]
     (+ grad); the weighting rule: "mean" gives every row 1 / (count of non-ignored labels).
     The recompute folds the cotangents into the coefficients: a * cot + g_lse for the softmax
-    term (lse's own gradient is the softmax), b * cot and c * cot."""
+    term (lse's own gradient is the softmax), b * cot and c * cot (coef [N, 5] = (a, b, c,
+    lse_lo * w, w): the last two carry the lse's low part and stay as they are)."""
     opts: CEOptions
     num_aux = 1
 
@@ -180,7 +181,8 @@ class _CrossEntropy(_op.RowOp):
 
     def recompute(self, res, cot, cts):
         (y, _), (lse, coef) = res.inputs, res.stats
-        c = (coef * cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
+        # (a, b, c) scale with the loss cotangent; the lse_lo fields (3, 4) stay exact.
+        c = coef.at[:, :3].multiply(cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
         return _call(self.opts, "bwd", res.x, y, lse, c)[0]
 
 

@@ -143,11 +143,14 @@ class _Reductions(_op.RowOp):
                 next(outs) if self.has_label else None)
 
     def saved(self, outs):
+        """(lse with its low part [N, 2] (the forward's trailing output), entropy); the entropy
+        is read only with opts.entropy."""
         lse, ent, _ = self.primal(outs)
-        return lse, lse if ent is None else ent  # the entropy is read only with opts.entropy
+        return jnp.stack([lse, outs[-1]], axis=1), lse if ent is None else ent
 
     def row_cotangent(self, cts, n):
-        zeros = jnp.zeros((n,), jnp.float32)
+        like = next(g for g in cts if g is not None)  # keeps the rows' sharding (Explicit axes)
+        zeros = jnp.zeros_like(like, jnp.float32)
         return jnp.stack([zeros if g is None else g.astype(jnp.float32) for g in cts], axis=1)
 
     def recompute(self, res, cot, cts):

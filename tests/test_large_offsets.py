@@ -21,9 +21,8 @@ over implementations and paths, gradient error at offsets 1e3 / 1e5 / -1e5:
     values (all ops)        up to 2.9e-03                 <= 5.1e-07
 
 JAX's logsumexp / entropy / token_logprobs gradients come from a separate backward that gets
-its lse from the op's residuals: it is accurate once the op passes the forward's lse_lo with
-it (the row function "bwd" takes lse as [N, 2] = (lse, lse_lo)); until then those cases are
-strict xfails (an XPASS says the wiring landed: drop the mark).
+its lse from the op's residuals: the op saves the forward's lse_lo with it (the row function
+"bwd" takes lse as [N, 2] = (lse, lse_lo)).
 
 Limits: with a temperature the reductions take z = x / T in float32 first, as
 jax.nn.logsumexp(x / T) would (T = 1 here); label smoothing's mean of z is a plain float32
@@ -170,16 +169,10 @@ OPS = {
 }
 IMPL_PATHS = [("triton", "rows"), ("triton", "split"), ("xla", "rows"), ("torch_ref", "rows"),
               ("torch_ref", "split")]
-NEEDS_LSE_LO = pytest.mark.xfail(strict=True, reason=(
-    "JAX reductions' backward: the custom_vjp's recompute passes only the float32 lse to the "
-    "row function 'bwd'; stacking the forward's lse_lo with it ([N, 2]) makes this pass"))
-
-
 def cases():
     for op in OPS:
         for impl, path in IMPL_PATHS:
-            marks = [NEEDS_LSE_LO] if op == "reductions" and impl != "torch_ref" else []
-            yield pytest.param(op, impl, path, marks=marks, id=f"{op}-{impl}-{path}")
+            yield pytest.param(op, impl, path, id=f"{op}-{impl}-{path}")
 
 
 def run(op, impl, x, y, ids, lp, w):
