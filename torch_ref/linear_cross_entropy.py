@@ -84,7 +84,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         write_grad = any(needs[:3]) and not recompute
         f32 = dict(dtype=torch.float32, device=h.device)
         loss_rows, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32),
-                                torch.empty(n, _ce_plans.COEF_FIELDS, **f32))
+                                torch.empty(n, _ce_plans.COEF_FIELDS.value, **f32))
         dh = torch.empty_like(h) if write_grad and needs[0] else None
         dw = torch.zeros(weight.shape, **f32) if write_grad and needs[1] else None
         db = torch.zeros(vocab, **f32) if write_grad and bias is not None and needs[2] else None

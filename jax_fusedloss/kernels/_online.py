@@ -23,7 +23,11 @@ def load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.const
                    EVICTION: tl.constexpr):
     """load_tile with an L2 eviction hint ("", "evict_last" or "evict_first")."""
     x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
-    x = x.to(tl.float32) * inv_temp
+    # The product rounded on its own (an explicit fma with 0): left as a multiply, the GPU
+    # compiler contracts it with a later `z - max` into one fma, so z - max at a row's largest
+    # entry would not be exactly 0 (a V=1 row's softmax not exactly 1; the interpreter, which
+    # never contracts, gives 1).
+    x = tl.fma(x.to(tl.float32), inv_temp, 0.0)
     if HAS_SOFTCAP:
         t, dt = tanh_and_grad(x / softcap)
         z = softcap * t

@@ -24,7 +24,7 @@ from jax_fusedloss.kernels._online import (LOG2E, hint_multiple, load_field, loa
 # Per-row gradient coefficients, float32 [N, COEF_FIELDS] = (a, b, c, lse_lo * w, w): w = 1 as
 # written, and a backward that scales every field by a row's cotangent keeps lse_lo = field 3
 # / field 4 (0 where w = 0), the low part of the log-sum-exp (see _online.lse_parts).
-COEF_FIELDS = 5
+COEF_FIELDS = tl.constexpr(5)  # a constexpr global: the kernels read it
 
 
 @triton.jit
@@ -256,7 +256,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     cfg = row_config(n, vocab, num_sms, write_grad)
     alias = ((0, 3),) if write_grad and in_place else ()
     rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
-            Buf("coef", (n, COEF_FIELDS), "float32"))
+            Buf("coef", (n, COEF_FIELDS.value), "float32"))
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)

@@ -39,7 +39,7 @@ DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BL
 # lg_L): the row weights ce_a, kd_a at 3:5 (a backward folds its cotangent into them); the
 # softmaxes as softmax(z) = exp((z - r) - lg_x) and softmax(s) = exp((z - r_L) / T - lg_L)
 # at the ids (r_L = r unless "topk"), accurate whatever |lse|.
-STATS_FIELDS = 9
+STATS_FIELDS = tl.constexpr(9)  # a constexpr global: the kernels read it
 
 
 @triton.jit
@@ -414,7 +414,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     launches.append(Launch(
         kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
-        (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS), "float32"), grad),
+        (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"), grad),
         cfg.num_warps if fused else 4,
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align, **flags)))
