@@ -15,6 +15,7 @@ tests/test_reductions.py` there).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -119,10 +120,10 @@ class Op:
         """The float64 reference outputs and their jax.vjp gradient for the same objective."""
         with jax_ref.x64():
             x = jnp.asarray(to_numpy(inputs["x"]), jnp.float64)
-            opts = {k: float(v) if isinstance(v, jax.Array) else v for k, v in opts.items()}
-            return jax_ref.value_and_vjp(lambda x: self.reference(x, inputs, opts), x,
-                                         lambda outs: {k: w[k] if o.ndim else 1.0
-                                                       for k, o in outs.items()})
+            opts = tuple(sorted((k, float(v) if isinstance(v, jax.Array) else v)
+                                for k, v in opts.items()))
+            rest = {k: v for k, v in inputs.items() if k != "x"}
+            return _reference_vjp(self, opts, x, rest, w)
 
     def check(self, impl, dtype, shape, *, seed=0, scale=2.0, inputs=None, forward=False,
               **kw):
@@ -150,6 +151,20 @@ class Op:
         assert str(grad.dtype).split(".")[-1] == dtype, f"grad dtype {grad.dtype} != {dtype}"
         assert_grad_close(grad, rgrad, dtype, what=f"{what} grad")
         return {k: to_numpy(o) for k, o in outs.items()}, to_numpy(grad)
+
+
+# Without LLVM's optimisations: compiling is then ~40% faster, which is most of the reference's
+# cost at test sizes.
+@functools.partial(jax.jit, static_argnums=(0, 1),
+                   compiler_options={"xla_backend_optimization_level": 0})
+def _reference_vjp(op, opts, x, inputs, w):
+    """Op.expected's computation, compiled once per op, options and shapes (the grid repeats
+    each for every implementation and dtype: the reference always runs at float64)."""
+    def f(x):
+        return op.reference(x, inputs, dict(opts))
+
+    return jax_ref.value_and_vjp(f, x, lambda outs: {k: w[k] if o.ndim else 1.0
+                                                     for k, o in outs.items()})
 
 
 def check_rejected(fn, args, kwargs, exc, match):
