@@ -28,8 +28,11 @@ HEAD_PATH = ("embed", "embedding")
 HEAD_SPEC = P("model", None)
 BATCH_SPEC = P("data")
 LOGITS_SPEC = P("data", None, "model")
-_COLLECTIVE = re.compile(r"=\s*\w+\[([\d,]*)\][^=]*?\b(all-gather|all-to-all|collective-permute|"
-                         r"all-reduce|reduce-scatter)\(")
+# A collective's result: one array (`f32[4,64]{1,0} all-reduce(`) or a tuple of them (XLA's
+# combiners merge many small all-reduces into one: `(f32[64]{0}, f32[4,64]{1,0}) all-reduce(`).
+_COLLECTIVE = re.compile(r"=\s*(\w+\[[\d,]*\][^\s]*|\([^()]*\))\s*(all-gather|all-to-all|"
+                         r"collective-permute|all-reduce|reduce-scatter)(-start)?\(")
+_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -139,9 +142,13 @@ def logits_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def big_collectives(hlo: str, limit: int) -> list[str]:
-    """The collectives in compiled HLO text whose result holds at least `limit` elements."""
-    return [m.group(0)[:160] for m in _COLLECTIVE.finditer(hlo)
-            if math.prod(int(d) for d in m.group(1).split(",") if d) >= limit]
+    """The collectives in compiled HLO text with a result (or, for a tuple, an element) of at
+    least `limit` elements."""
+    def largest(result: str) -> int:
+        return max((math.prod(int(d) for d in a.split(",") if d)
+                    for a in _ARRAY.findall(result)), default=0)
+
+    return [m.group(0)[:160] for m in _COLLECTIVE.finditer(hlo) if largest(m.group(1)) >= limit]
 
 
 def logits_report(model: nnx.Module, objective: Callable[..., Any], mesh: Mesh, x: jax.Array,
