@@ -162,11 +162,6 @@ def apply(op: RowOp, implementation: str | None, x: jax.Array, *aux):
                                *aux, opts=op)
 
 
-def flatten(logits: jax.Array) -> jax.Array:
-    """`[..., V]` -> `[N, V]`."""
-    return _common.flatten_rows(logits)
-
-
 def empty_loss(lead: tuple[int, ...], reduction: str) -> jax.Array:
     """The loss of an empty batch: zeros `[...]` for "none", else a float32 0."""
     return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)

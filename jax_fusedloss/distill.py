@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common
+from jax_fusedloss import _common, _op
 from jax_fusedloss.cross_entropy import check_ce_options
 from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
                               prepare_entries, run_rows)
@@ -123,7 +123,7 @@ def distill_loss(
                                             active, vocab_axis)
     n = x.shape[0]
     if n == 0:
-        return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
+        return _op.empty_loss(lead, reduction)
     ce_w = jnp.float32(alpha)
     kd_w = jnp.float32((1.0 - float(alpha)) * (t * t if temperature_squared else 1.0))
     if reduction == "mean":
