@@ -51,3 +51,39 @@ def test_chunk_walk_equals_whole_rows(v, dtype, full_rows, monkeypatch):
                                    err_msg=name)
         np.testing.assert_allclose(np.asarray(grad, np.float32),
                                    np.asarray(want[name][1], np.float32), **tol, err_msg=name)
+
+
+def test_one_pass_special_rows(monkeypatch):
+    """The few-row one-pass reductions (`chunks.one_pass_stats`, a variadic reduce with an
+    online-softmax combiner, in the reductions' and cross-entropy's twins) against the CPU
+    whole-row walk on rows that exercise its merge: all -inf, -inf mixed in, +inf, NaN, huge
+    offsets, one finite entry, a label at -inf."""
+    v = 37
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(9, v)).astype(np.float32) * 4
+    x[0] = -np.inf
+    x[1, ::3] = -np.inf
+    x[2, 5] = np.inf
+    x[3, 7] = np.nan
+    x[4] += 1e5
+    x[5] -= 1e5
+    x[6] = -np.inf
+    x[6, 11] = 2.0
+    x[7, 4] = -np.inf
+    y = jnp.asarray([0, 1, 2, 3, 4, 5, 11, 4, 8])
+
+    def outs(x):
+        return (jfl.logsumexp(x, implementation="xla"), jfl.entropy(x, implementation="xla"),
+                jfl.token_logprobs(x, y, implementation="xla"),
+                jfl.cross_entropy(x, y, reduction="none", label_smoothing=0.1, z_loss=1e-3,
+                                  implementation="xla"))
+
+    x = jnp.asarray(x)
+    want = outs(x)
+    monkeypatch.setattr(chunks, "CHUNKED_ON_CPU", True)
+    monkeypatch.setattr(chunks, "FULL_ROW_BYTES", 1 << 30)
+    got = outs(x)
+    for name, g, w in zip(("logsumexp", "entropy", "token_logprobs", "cross_entropy"), got,
+                          want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6,
+                                   equal_nan=True, err_msg=name)

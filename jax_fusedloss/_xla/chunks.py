@@ -70,15 +70,45 @@ def rounded(z):
 
 
 def online_step(carry, z, zsum):
-    """One chunk of `online_stats`: carry (max, s, sum z, sum z e) updated by chunk z (masked
-    entries -inf) and zsum (z with masked entries 0)."""
-    m, s, sz, szp = carry
+    """One chunk of `online_stats`: carry (max, s, sum z) updated by chunk z (masked entries
+    -inf) and zsum (z with masked entries 0)."""
+    m, s, sz = carry
     m_new = jnp.maximum(m, z.max(axis=1))
-    ms = safe_max(m_new)
-    alpha = jnp.exp(m - ms)
-    e = jnp.exp(z - ms[:, None])
-    return (m_new, s * alpha + e.sum(axis=1), sz + zsum.sum(axis=1),
-            szp * alpha + jnp.where(e > 0, z * e, 0.0).sum(axis=1))
+    alpha = jnp.exp(m - safe_max(m_new))
+    e = jnp.exp(z - safe_max(m_new)[:, None])
+    return m_new, s * alpha + e.sum(axis=1), sz + zsum.sum(axis=1)
+
+
+def one_pass_stats(z: jax.Array, centered: bool = False, add: tuple = ()):
+    """Per row of a float32 `[N, W]` z: (max m, s = sum exp(z - m)[, u = sum (z - m) exp(z -
+    m) if `centered`], the plain sums of the `[N, W]` arrays in `add`) in ONE variadic
+    reduction whose combiner merges online-softmax partials: one XLA kernel where the
+    two-reduction formula (max, then sum exp) takes two or more. For few rows on a GPU (a whole
+    row is one chunk), where launches, not arithmetic, decide. Sums are relative to
+    safe_max(m), as `online_step`'s: an all -inf row gives (-inf, 0, 0, ...), a row with +inf
+    gives s = +inf, a row with NaN gives NaN."""
+    f32 = jnp.float32
+    d = z - safe_max(z)
+    s0 = jnp.exp(d)  # 1 at finite z, 0 at -inf, +inf at +inf, NaN at NaN
+    ops = (z, s0) + ((jnp.where(s0 > 0, d, 0.0) * s0,) if centered else ()) + tuple(add)
+    k = 3 if centered else 2  # the partials merged by rescaling; the rest add
+
+    def combine(a, b):
+        m = jnp.maximum(a[0], b[0])
+        ref = safe_max(m)
+        s = u = 0.0
+        for part in (a, b):
+            shift = safe_max(part[0]) - ref
+            # a partial's weight under the merged reference: 0 for an empty (-inf) one
+            w = jnp.where(jnp.isneginf(part[0]), 0.0, jnp.exp(shift))
+            s = s + part[1] * w
+            if centered:  # sum (z - ref) e = w * (u_i + (m_i - ref) s_i)
+                u = u + jnp.where(w > 0, (part[2] + shift * part[1]) * w, 0.0)
+        return (m, s) + ((u,) if centered else ()) + tuple(
+            x + y for x, y in zip(a[k:], b[k:]))
+
+    init = (jnp.array(-jnp.inf, f32),) + (jnp.array(0.0, f32),) * (len(ops) - 1)
+    return jax.lax.reduce(ops, init, combine, (1,))
 
 
 def stats_init(n: int, count: int):
@@ -88,18 +118,22 @@ def stats_init(n: int, count: int):
 
 
 def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = None):
-    """Per row of `[N, V]`: (max, sum exp(z - max), sum z, sum z * exp(z - max)), float32.
+    """Per row of `[N, V]`: (max, sum exp(z - max), sum z), float32.
 
-    Masked or -inf entries add nothing; the merge identity is (-inf, 0, 0, 0).
+    Masked or -inf entries add nothing to the sum of exponentials; the merge identity is
+    (-inf, 0, 0).
     """
     n, vocab = x.shape
     if whole_rows():
         def rows(xb):
             z, _ = transform(xb, inv_temp, softcap)
-            return online_step(stats_init(xb.shape[0], 4), z, z)
+            return online_step(stats_init(xb.shape[0], 3), z, z)
 
-        return row_blocks(x, rows, 4, whole=softcap is None and inv_temp == 1.0)
+        return row_blocks(x, rows, 3, whole=softcap is None and inv_temp == 1.0)
     width, count = chunk_layout(vocab, n)
+    if count == 1:  # few rows: one kernel
+        z, _ = transform(x, inv_temp, softcap)
+        return one_pass_stats(z, add=(z,))
 
     def body(i, carry):
         start, owned = chunk_start(i, vocab, width)
@@ -107,7 +141,7 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
         z, _ = transform(jax.lax.dynamic_slice_in_dim(x, start, width, axis=1), inv_temp, softcap)
         return online_step(carry, jnp.where(mask, z, -jnp.inf), jnp.where(mask, z, 0.0))
 
-    return jax.lax.fori_loop(0, count, body, carry_like(x, stats_init(n, 4)))
+    return jax.lax.fori_loop(0, count, body, carry_like(x, stats_init(n, 3)))
 
 
 def row_blocks(x: jax.Array, rows: Callable, count: int, whole: bool = False):

@@ -17,7 +17,7 @@ def label_state(labels: jax.Array, vocab: int, ignore_index: int):
 def slice_stats(x, y, opts):
     """(max, sum exp(z - max), sum z, z[y] or 0 when y is outside [0, V)) per row of `[N, V]`."""
     vocab = x.shape[-1]
-    m, s, sumz, _ = online_stats(x, 1.0, opts.softcap)
+    m, s, sumz = online_stats(x, 1.0, opts.softcap)
     inside = (y >= 0) & (y < vocab)
     safe = jnp.clip(y, 0, vocab - 1)
     zy, _ = transform(jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0], 1.0, opts.softcap)

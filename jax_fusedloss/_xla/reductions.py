@@ -8,8 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, row_blocks,
-                                       stats_init, transform, whole_rows, write_chunks)
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, one_pass_stats,
+                                       row_blocks, stats_init, transform, whole_rows,
+                                       write_chunks)
 from jax_fusedloss._xla.chunks import lse_parts, safe_max
 
 
@@ -66,11 +67,18 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
         chunk = (mc[:, 0], e.sum(axis=1), (jnp.where(e > 0, d, 0.0) * e).sum(axis=1))
         return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
 
+    width, count = chunk_layout(vocab, n)
     if whole_rows():
         m, s, u = row_blocks(
             x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3)
+    elif count == 1:  # few rows: one kernel (the label's logit rides along as a plain sum)
+        z, _ = transform(x, inv_temp, None)
+        picked = () if y is None else (
+            jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None], z, 0.0),)
+        m, s, *rest = one_pass_stats(z, centered=opts.entropy, add=picked)
+        u = rest.pop(0) if opts.entropy else jnp.zeros_like(s)  # u only feeds the entropy
+        return m, s, u, rest[0] if rest else None
     else:
-        width, count = chunk_layout(vocab, n)
 
         def body(i, carry):
             start, owned = chunk_start(i, vocab, width)
