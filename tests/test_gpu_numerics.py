@@ -87,3 +87,30 @@ def test_auto_dispatch_few_rows_is_xla_and_equal():
     np.testing.assert_allclose(np.asarray(grad, np.float32), np.asarray(grad_t, np.float32),
                                atol=1e-7 + 1e-2 * float(np.abs(np.asarray(grad_t,
                                                                           np.float32)).max()))
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e5])
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_xla_few_rows_one_pass_matches_float64(offset, n):
+    """The XLA twin at few rows on a GPU (what implementation=None runs there): one variadic
+    reduction per op (_xla/chunks.one_pass_stats). lse, entropy, token log-probs and the
+    cross-entropy loss against float64, at V=128256 and at a large offset."""
+    x = jax.random.normal(jax.random.key(6), (n, V), jnp.float32) * 3 + offset
+    y = jax.random.randint(jax.random.key(7), (n,), 0, V)
+    x64 = np.asarray(x, np.float64)
+    mx = x64.max(axis=-1, keepdims=True)
+    lse = (mx + np.log(np.exp(x64 - mx).sum(axis=-1, keepdims=True)))[:, 0]
+    p = _f64_softmax(x64)
+    ent = -(p * (x64 - lse[:, None])).sum(axis=-1)
+    logp = x64[np.arange(n), np.asarray(y)] - lse
+    got = jax.jit(lambda a: (jfl.logsumexp(a, implementation="xla"),
+                             jfl.entropy(a, implementation="xla"),
+                             jfl.token_logprobs(a, y, implementation="xla"),
+                             jfl.cross_entropy(a, y, reduction="none", implementation="xla")))(x)
+    scale = 1.0 + abs(offset)
+    for name, g, want, tol in (("logsumexp", got[0], lse, 2e-7 * scale),
+                               ("entropy", got[1], ent, 2e-5),
+                               ("token_logprobs", got[2], logp, 2e-5),
+                               ("cross_entropy", got[3], -logp, 2e-5)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=0, atol=tol,
+                                   err_msg=name)
