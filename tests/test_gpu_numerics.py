@@ -107,8 +107,7 @@ def test_xla_few_rows_one_pass_matches_float64(offset, n):
                              jfl.entropy(a, implementation="xla"),
                              jfl.token_logprobs(a, y, implementation="xla"),
                              jfl.cross_entropy(a, y, reduction="none", implementation="xla")))(x)
-    scale = 1.0 + abs(offset)
-    for name, g, want, tol in (("logsumexp", got[0], lse, 2e-7 * scale),
+    for name, g, want, tol in (("logsumexp", got[0], lse, 5e-7 * np.abs(lse).max()),
                                ("entropy", got[1], ent, 2e-5),
                                ("token_logprobs", got[2], logp, 2e-5),
                                ("cross_entropy", got[3], -logp, 2e-5)):

@@ -22,6 +22,12 @@ CHUNK = 4096  # columns per step: [N, 4096] float32 temporaries at most
 # one jitted program: logsumexp N=1 328 us per call chunked vs 12 us for one chunk, which is
 # jax.nn.logsumexp; benchmarks/results/fewrows_h100.csv).
 FULL_ROW_BYTES = 64 << 20
+# ... and up to this many rows, that one chunk is reduced by `one_pass_stats` (one variadic
+# reduction) rather than max + sum exp. H100, bf16, V=128256, logsumexp in one jitted program
+# of 64 calls, us per call, one-pass / jax.nn.logsumexp: N=1 14.7 / 16.2, N=8 17.7 / 18.3,
+# N=64 36.3 / 31.3 (its exps per element cost more than a launch there);
+# benchmarks/results/fewrows_xla_h100.txt.
+ONE_PASS_MAX_ROWS = 16
 # CPU, 16-bit logits: rows per block so a block's float32 copy is about this size (a [65,
 # 32000] block; measured as fast as 16 or 256 rows on a 2-core EPYC, benchmarks/cpu.py).
 ROW_BLOCK_BYTES = 8 << 20
@@ -131,7 +137,7 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
 
         return row_blocks(x, rows, 3, whole=softcap is None and inv_temp == 1.0)
     width, count = chunk_layout(vocab, n)
-    if count == 1:  # few rows: one kernel
+    if count == 1 and n <= ONE_PASS_MAX_ROWS:  # few rows: one kernel
         z, _ = transform(x, inv_temp, softcap)
         return one_pass_stats(z, add=(z,))
 

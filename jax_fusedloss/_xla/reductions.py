@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, one_pass_stats,
-                                       row_blocks, stats_init, transform, whole_rows,
-                                       write_chunks)
+from jax_fusedloss._xla.chunks import (ONE_PASS_MAX_ROWS, carry_like, chunk_layout,
+                                       chunk_start, one_pass_stats, row_blocks, stats_init,
+                                       transform, whole_rows, write_chunks)
 from jax_fusedloss._xla.chunks import lse_parts, safe_max
 
 
@@ -71,7 +71,7 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
     if whole_rows():
         m, s, u = row_blocks(
             x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3)
-    elif count == 1:  # few rows: one kernel (the label's logit rides along as a plain sum)
+    elif count == 1 and n <= ONE_PASS_MAX_ROWS:  # one kernel; the label's logit as a plain sum
         z, _ = transform(x, inv_temp, None)
         picked = () if y is None else (
             jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None], z, 0.0),)
