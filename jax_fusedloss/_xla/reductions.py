@@ -64,13 +64,17 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
         mc = jnp.max(z, axis=1, keepdims=True)
         d = z - safe_max(mc)
         e = jnp.exp(d)
-        chunk = (mc[:, 0], e.sum(axis=1), (jnp.where(e > 0, d, 0.0) * e).sum(axis=1))
+        # u (the entropy's sum) only where asked for: zeros cost nothing in the walk
+        u = (jnp.where(e > 0, d, 0.0) * e).sum(axis=1) if opts.entropy else jnp.zeros_like(
+            mc[:, 0])
+        chunk = (mc[:, 0], e.sum(axis=1), u)
         return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
 
     width, count = chunk_layout(vocab, n)
     if whole_rows():
         m, s, u = row_blocks(
-            x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3)
+            x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3,
+            whole=inv_temp == 1.0)
     elif count == 1 and n <= ONE_PASS_MAX_ROWS:  # one kernel; the label's logit as a plain sum
         z, _ = transform(x, inv_temp, None)
         picked = () if y is None else (
