@@ -257,12 +257,13 @@ class Reread(NamedTuple):
                 f"evict={int(self.evict)} prefetch={int(self.prefetch)}")
 
 
-# The REREAD sweep (--bench, --check): slices (8-32 K columns: P = 4 to 16 at V = 128256; a
-# grid of 528 programs holds 8-34 MB of bf16 slices in flight, inside H100's 50 MB L2), tiles x
-# warps with 8-32 values per thread (16-byte bf16 vectors need 8), CTAs per SM (0: all fit).
-REREAD_SLICES = (8192, 16384, 32768)
-REREAD_TILES = ((1024, 4), (2048, 4), (4096, 4), (2048, 8), (4096, 8))
-REREAD_CTAS = (4, 8, 0)
+# The REREAD sweep (--bench, --check), likeliest first: slices (8-32 K columns: P = 4 to 16 at
+# V = 128256; a grid of 528 programs holds 8-34 MB of bf16 slices in flight, inside H100's
+# 50 MB L2), tiles x warps with 8-32 values per thread (16-byte bf16 vectors need 8), CTAs per
+# SM (0: as many as fit; sm_90 fits 3-12 of these, see --ptx).
+REREAD_SLICES = (16384, 8192, 32768)
+REREAD_TILES = ((2048, 4), (1024, 4), (2048, 8), (4096, 8), (4096, 4))
+REREAD_CTAS = (0, 4, 8)
 
 
 def values_per_thread(vocab: int, p: int, num_warps: int) -> int:

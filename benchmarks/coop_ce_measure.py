@@ -113,9 +113,10 @@ class _Case:
         emit(dtype=dt, vocab=vocab, impl="torch_ref_fused", ms=self.fused_ms,
              x_copy=self.fused_ms / self.copy_ms, x_fused=1.0)
 
-    def _time(self, row: dict, fn) -> float | None:
+    def _time(self, row: dict, fn, seen: set | None = None) -> float | None:
         """Runs fn once (info, error vs the fused gradient), then times it unless it spilled,
-        timed out or asks for more CTAs per SM than fit; emits the row; returns ms or None."""
+        timed out, asks for more CTAs per SM than fit or is a launch in `seen` (the knobs with
+        CTAs per SM resolved); emits the row; returns ms or None."""
         from triton.testing import do_bench
 
         info = {}
@@ -124,9 +125,13 @@ class _Case:
                    max_err_vs_fused=max_err(grad, self.ref, self.good))
         del grad
         row["ctas_per_sm"] = row.get("ctas_per_sm") or info.get("occupancy")
+        key = tuple(row.get(k) for k in ("impl", "p", "num_warps", "block", "ctas_per_sm",
+                                         "evict", "prefetch"))
         why = ("spills" if info.get("n_spills") else "timeouts" if info["timeouts"] else
                "ctas > occupancy" if (row["ctas_per_sm"] or 0) > info.get("occupancy", 0)
-               else None)
+               else "a launch timed above" if seen is not None and key in seen else None)
+        if seen is not None:
+            seen.add(key)
         if why:
             self.emit(**row, note=f"skipped: {why}")
             return None
@@ -145,7 +150,7 @@ class _Case:
 
     def reread(self, configs, deadline) -> list:
         """Times each REREAD launch; returns [(ms, config)] of those timed."""
-        timed = []
+        timed, seen = [], set()
         for cfg in configs:
             if time.time() > deadline:
                 break
@@ -154,7 +159,7 @@ class _Case:
                        evict=int(cfg.evict), prefetch=int(cfg.prefetch),
                        values_per_thread=max(1, cfg.block // (32 * cfg.warps)))
             ms = self._time(row, lambda cfg=cfg, **kw: coop_reread_fwd_grad(self.x, self.y,
-                                                                             cfg, **kw))
+                                                                             cfg, **kw), seen)
             if ms is not None:
                 timed.append((ms, cfg))
         return timed
