@@ -283,7 +283,7 @@ def fits(vocab: int, p: int, num_warps: int) -> bool:
     return values_per_thread(vocab, p, num_warps) * 3 <= min(255, 65536 // (32 * num_warps))
 
 
-def ctas_per_sm(n_regs: int, shared: int, num_warps: int, props=None) -> int:
+def fitting_ctas(n_regs: int, shared: int, num_warps: int, props=None) -> int:
     """CTAs of a kernel that fit on one SM: registers (allocated per warp in units of 256),
     threads, shared memory (plus 1 KiB reserved per CTA) and 32 CTAs; the SM's limits from
     `props` (torch device properties), else an H100's."""
@@ -338,7 +338,7 @@ def coop_ce_fwd_grad(logits, labels, p: int, num_warps: int = 16, *, block: int 
             compiled = coop_ce_kernel.warmup(*args, grid=(1,), **extra, **const)
             compiled._init_handles()
             props = torch.cuda.get_device_properties(dev)
-            _COMPILED[key] = (compiled, ctas_per_sm(compiled.n_regs, compiled.metadata.shared,
+            _COMPILED[key] = (compiled, fitting_ctas(compiled.n_regs, compiled.metadata.shared,
                                                       num_warps, props),
                               props.multi_processor_count)
         compiled, occ, sms = _COMPILED[key]

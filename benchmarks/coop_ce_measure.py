@@ -17,7 +17,7 @@ import time
 import triton
 
 from benchmarks.coop_ce import (REREAD_TILES, Reread, coop_ce_fwd_grad, coop_ce_kernel,
-                                coop_constexprs, coop_reread_fwd_grad, ctas_per_sm, fits,
+                                coop_constexprs, coop_reread_fwd_grad, fitting_ctas, fits,
                                 make_inputs, max_err, sweep_configs, values_per_thread)
 
 # ----------------------------------------------------------------------------- bench
@@ -296,7 +296,7 @@ def sm90_report(dtype: str, p: int, num_warps: int, vocab: int, **options) -> di
     ptx = compiled.asm["ptx"]
     summary = {k: v for k, v in ptx_summary(ptx).items() if k != "loops"}
     usage = ptxas_usage(ptx)
-    occ = ctas_per_sm(usage["registers"] or 255, compiled.metadata.shared, num_warps)
+    occ = fitting_ctas(usage["registers"] or 255, compiled.metadata.shared, num_warps)
     return dict(dtype=dtype, p=p, num_warps=num_warps, vocab=vocab, **options, **summary,
                 **usage, shared=compiled.metadata.shared, occupancy=occ)
 
