@@ -1,16 +1,90 @@
 """Compiles every kernel launch of the libraries' launch plans (tests/sm90_plans.py) for sm_90
-with the real Triton compiler.
+with the real Triton compiler, and checks that rows whose width V is not a multiple of 16 bytes
+still load and store 16-byte vectors (_online's aligned tile walk).
 
 Run as a script in its own process (TRITON_INTERPRET unset); exits non-zero if any compile
-fails. The interpreter accepts kernels the compiler rejects; this catches them without a GPU.
+fails or a vector check fails. The interpreter accepts kernels the compiler rejects; this
+catches them without a GPU. Array arguments are declared 16-byte aligned and scalars without
+divisibility, as jax-triton compiles them.
 """
 import os
+import re
 import sys
 import time
+from collections import defaultdict
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+# 128-bit global accesses: ld.global[.nc][.L1::...][.L2::...].v4.b32 (Triton packs 8 halves or
+# 4 floats into 4 32-bit registers), st.global[...].v4.b32.
+VECTOR_LOAD = re.compile(r"\bld\.global[\w.:]*\.v4\.[bfu]32\b")
+VECTOR_STORE = re.compile(r"\bst\.global[\w.:]*\.v4\.[bfu]32\b")
+# Kernels that walk logits rows (every launch of these has ALIGN) and those that also write
+# a [N, V] row.
+ROW_WALKERS = ("red_fwd_kernel", "red_bwd_kernel", "ce_fwd_kernel", "ce_partial_kernel",
+               "ce_bwd_kernel", "scale_rows_kernel", "kd_fwd_kernel", "kd_partial_kernel",
+               "kd_bwd_kernel")
+ROW_WRITERS = ("red_bwd_kernel", "ce_fwd_kernel", "ce_bwd_kernel", "scale_rows_kernel",
+               "kd_fwd_kernel", "kd_bwd_kernel")
+
+
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
+    """triton.compile for sm_90 with jax-triton's assumptions: pointers 16-byte aligned."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values())
+             if t.startswith("*")}
+    sig = dict(signature, **{c: "constexpr" for c in constexprs})
+    return triton.compile(ASTSource(kernel, sig, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+
+
+def vector_ops(ptx: str) -> tuple[int, int]:
+    """(128-bit global loads, 128-bit global stores) in a kernel's PTX."""
+    return len(VECTOR_LOAD.findall(ptx)), len(VECTOR_STORE.findall(ptx))
+
+
+def _twin_key(name, signature, constexprs, num_warps):
+    """A compile's key up to its vocabulary: ALIGN and the split sizes set aside."""
+    rest = tuple(sorted((k, v) for k, v in constexprs.items()
+                        if k not in ("ALIGN", "SPLIT_V", "NUM_SPLITS", "BLOCK_S")))
+    return name, tuple(signature.items()), rest, num_warps
+
+
+def vector_problems(results) -> list[str]:
+    """Checks compiles of unaligned rows (ALIGN below the 16-byte vector width of their
+    dtype) against their aligned twins (ALIGN=16, otherwise the same compile): the same
+    number of 128-bit loads and stores, and, for each row-walking kernel, some unaligned compile
+    with 128-bit loads (and stores where it writes rows). `results`: (kernel name, signature,
+    constexprs, warps, (loads, stores)) of each compile."""
+    aligned = {}
+    unaligned = []
+    for name, sig, cx, warps, vec in results:
+        if "ALIGN" not in cx:
+            continue
+        itemsize = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[next(iter(sig.values()))]
+        key = _twin_key(name, sig, cx, warps)
+        if cx["ALIGN"] == 16:
+            aligned[key] = vec
+        elif cx["ALIGN"] < 16 // itemsize:
+            unaligned.append((key, cx, vec))
+    problems = []
+    seen = defaultdict(lambda: [0, 0])
+    for key, cx, vec in unaligned:
+        twin = aligned.get(key)
+        if twin is None:
+            problems.append(f"no aligned twin for {key[0]} {cx}")
+        elif vec != twin:
+            problems.append(f"{key[0]} {key[1][0][1]} {cx}: (loads, stores) of 128 bits "
+                            f"{vec} unaligned vs {twin} aligned")
+        seen[key[0]][0] += vec[0] > 0
+        seen[key[0]][1] += vec[1] > 0
+    for name in ROW_WALKERS:
+        loads, stores = seen[name]
+        if not loads or (name in ROW_WRITERS and not stores):
+            problems.append(f"{name}: no unaligned compile with 128-bit loads"
+                            + (" and stores" if name in ROW_WRITERS else ""))
+    return problems
 
 
 def main() -> int:
@@ -19,23 +93,25 @@ def main() -> int:
     from tests.sm90_plans import specs
 
     failures = 0
-    count = 0
+    results = []
     for kernel, signature, constexprs, num_warps in specs():
         name = kernel.__name__
-        sig = dict(signature, **{c: "constexpr" for c in constexprs})
         t0 = time.time()
         try:
-            compiled = triton.compile(ASTSource(kernel, sig, constexprs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=num_warps))
+            compiled = compile_sm90(kernel, signature, constexprs, num_warps)
+            vec = vector_ops(compiled.asm["ptx"])
+            results.append((name, signature, constexprs, num_warps, vec))
             print(f"ok   {name} {constexprs} shared={compiled.metadata.shared}B "
-                  f"{time.time() - t0:.1f}s", flush=True)
+                  f"v4 ld/st={vec[0]}/{vec[1]} {time.time() - t0:.1f}s", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failing kernel, then fail
             failures += 1
             print(f"FAIL {name} {signature} {constexprs}: {type(e).__name__}: {e}", flush=True)
-        count += 1
-    print(f"{count} compiles, {failures} failures")
-    return 1 if failures or not count else 0
+    problems = vector_problems(results)
+    for p in problems:
+        print(f"VECTOR {p}")
+    print(f"{len(results) + failures} compiles, {failures} failures, "
+          f"{len(problems)} vector problems")
+    return 1 if failures or problems or not results else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Each family's plan function runs over a grid of shapes (the row path at N=8192, the split
 path at N=8, an aligned and an unaligned vocabulary), dtypes and option sets; every distinct
-launch becomes one compile: (kernel, signature, constexprs, warps). A signature maps the
+launch becomes one compile: (kernel, signature, constexprs, warps). Each unaligned compile
+has an aligned twin (same tiles at V=128256 and V=50257), against which sm90_compile checks
+its 16-byte vector loads and stores. A signature maps the
 kernel's parameters to types: pointers from the dtypes of the arrays a launch reads or writes,
 Python ints to i32 and floats to fp32, as both executors pass them.
 """
@@ -18,8 +20,12 @@ from jax_fusedloss.kernels.plan import LOGITS
 SMS = 132  # H100 / H200
 DTYPES = ("bf16", "fp16", "fp32")
 SHAPES = ((8192, 128256), (8, 128256), (8192, 50257), (8, 50257))
-# Every dtype at the aligned vocabulary (ALIGN=16), bf16 at the unaligned one (ALIGN=1).
+# Every dtype at the aligned vocabulary (ALIGN=16), bf16 and fp32 (8 and 4 elements per
+# 16-byte vector) at the unaligned one (ALIGN=1).
 CASES = tuple((dt, shape) for dt in DTYPES for shape in SHAPES[:2]) + tuple(
+    (dt, shape) for dt in ("bf16", "fp32") for shape in SHAPES[2:])
+# KD: every dtype aligned, bf16 unaligned.
+KD_CASES = tuple((dt, shape) for dt in DTYPES for shape in SHAPES[:2]) + tuple(
     ("bf16", shape) for shape in SHAPES[2:])
 TYPES = {"float32": "fp32", "int32": "i32"}
 
@@ -71,8 +77,8 @@ def _kd():
                ("full", True, 2.0, {}), ("topk", True, 2.0, {}), ("full", True, 1.0, ce_opts),
                ("full", True, 2.0, ce_opts), ("topk", True, 2.0, ce_opts))
     types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32")
-    for dt, (n, v), (normalize, distill, t, extra), write_grad in itertools.product(
-            DTYPES, SHAPES[:2], options, (True, False)):
+    for (dt, (n, v)), (normalize, distill, t, extra), write_grad in itertools.product(
+            KD_CASES, options, (True, False)):
         yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
                                          distill=distill, ignore_index=-100, num_sms=SMS,
                                          write_grad=write_grad, **extra), dt, types)

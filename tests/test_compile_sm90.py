@@ -1,4 +1,6 @@
-"""Every kernel compiles for sm_90 with the real Triton compiler (no GPU needed)."""
+"""Every kernel compiles for sm_90 with the real Triton compiler (no GPU needed), and rows whose
+start is not 16-byte aligned (V=50257, bf16 and fp32) load and store 16-byte vectors as
+aligned rows do (tests/sm90_compile.py's vector check)."""
 import os
 import subprocess
 import sys

@@ -15,8 +15,8 @@ Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (LOG2E, load_tile, load_tile_hint, poison_inf,
-                                           safe_max)
+from jax_fusedloss.kernels._online import (LOG2E, edge_tile, load_tile, load_tile_hint,
+                                           poison_inf, safe_max, span_ptr, vector_span)
 
 
 @triton.jit
@@ -29,10 +29,29 @@ def label_state(labels_ptr, row, V, ignore_index):
 
 
 @triton.jit
-def slice_stats(row_ptr, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr,
-                KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
-    """Statistics of z over [start, stop) in one online walk: (m, s, s_kd, sum z, z[label]).
+def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
+                HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
+                EVICTION: tl.constexpr):
+    """Folds the tile at ptr + offs (masked lanes -inf) into slice_stats' (m, s, s_kd, sum z)."""
+    z, _ = load_tile_hint(ptr, offs, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    ms = safe_max(m_new)
+    d = z - ms
+    if CE_STATS:
+        s = s * tl.exp(m - ms) + tl.sum(tl.exp(d), axis=0)
+    if KD_STATS:
+        s_kd = s_kd * tl.math.exp2((m - ms) * c_kd) + tl.sum(tl.math.exp2(d * c_kd), axis=0)
+    if HAS_SMOOTHING:
+        sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
+    return m_new, s, s_kd, sumz
+
+
+@triton.jit
+def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
+                ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+                CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
+    """Statistics of z over [start, stop) of the row at x_ptr + row_off in one online walk
+    (_online's aligned tile walk): (m, s, s_kd, sum z, z[label]).
 
     m is the max of z (the reference of both sums: z / T has its max at the same column),
     s = sum exp(z - m) (CE_STATS), s_kd = sum exp((z - m) * kd_scale) (KD_STATS), sum z
@@ -41,25 +60,23 @@ def slice_stats(row_ptr, label, start, stop, softcap, kd_scale, BLOCK_V: tl.cons
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
     element; z - m is shared.
     """
+    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     s_kd = tl.zeros([], tl.float32)
     sumz = tl.zeros([], tl.float32)
-    for off in range(start, stop, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < stop
-        z, _ = load_tile_hint(row_ptr, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-        m_new = tl.maximum(m, tl.max(z, axis=0))
-        ms = safe_max(m_new)
-        d = z - ms
-        if CE_STATS:
-            s = s * tl.exp(m - ms) + tl.sum(tl.exp(d), axis=0)
-        if KD_STATS:
-            s_kd = s_kd * tl.math.exp2((m - ms) * c_kd) + tl.sum(tl.math.exp2(d * c_kd), axis=0)
-        if HAS_SMOOTHING:
-            sumz += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        m = m_new
+    row_ptr = x_ptr + row_off
+    k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, row_ptr, cols, mask, softcap, c_kd,
+                                       HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION)
+    base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
+    for k in range(k0, k1, BLOCK_V):
+        t = k + tl.arange(0, BLOCK_V)
+        m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
+                                       HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION)
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_tile(row_ptr, tl.where(in_slice, label, start), in_slice, 1.0, softcap,
                       HAS_SOFTCAP)

@@ -139,3 +139,65 @@ def hint_multiple(x, ALIGN: tl.constexpr):
     loads. jax-triton passes scalars without the divisibility specialisation that Triton's own
     launcher infers; (x // ALIGN) * ALIGN carries it (tl.multiple_of on a scalar does not)."""
     return (x // ALIGN) * ALIGN
+
+
+# Aligned tile walks. A row walk loads 16-byte vectors only where the compiler can prove a
+# tile's address is a multiple of 16 bytes and its mask constant over each group of
+# VEC = 16 bytes / itemsize elements. With a vocabulary whose row starts are not multiples of
+# VEC (gpt2's V=50257: ALIGN=1) every load was 2 bytes wide (~70% of copy bandwidth on H100).
+# So a row's slice [start, stop) is walked as a vector span, whose absolute offset and length
+# are multiples of VEC (tiles loaded and stored as 16-byte vectors), plus an edge tile holding
+# the at most VEC - 1 columns before and after the span. A kernel walks a slice as
+#     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+#     k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+#     if ALIGN < VEC:
+#         cols, mask = edge_tile(start, stop, lo, k1, VEC)
+#         ... the tile at x_ptr + row_off + cols under mask
+#     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
+#     for k in range(k0, k1, BLOCK_V):
+#         t = k + tl.arange(0, BLOCK_V)
+#         ... the tile at base + t under t < k1, columns lo + t
+# (BLOCK_V a multiple of VEC). An aligned vocabulary (ALIGN >= VEC) has no edge and its span
+# is the slice itself (k0, k1, lo = start, stop, 0): the walk is the plain one, as it compiled
+# before the span existed. A pass that also writes a row walks its output with the same span
+# (span_ptr of the output's row offset), so the output's row offsets must be congruent to the
+# input's modulo VEC: the plans pass stride_row = V.
+@triton.jit
+def vector_span(row_off, start, stop, ALIGN: tl.constexpr, VEC: tl.constexpr):
+    """(k0, k1, lo): the vector span of the slice [start, stop) of a row at element offset
+    row_off (int64) of a 16-byte aligned buffer is the columns lo + [k0, k1). With ALIGN < VEC:
+    lo is the first column >= start with row_off + lo a multiple of VEC (lo <= stop), k0 = 0
+    and k1 the largest multiple of VEC with lo + k1 <= stop (0 for a slice that holds no whole
+    aligned group). With ALIGN >= VEC (every row offset and slice bound is a multiple of VEC)
+    the whole slice: (start, stop, 0)."""
+    if ALIGN >= VEC:
+        k0 = start
+        k1 = stop
+        lo = 0
+    else:
+        k0 = 0
+        lo = tl.minimum(start + (VEC - (row_off + start) % VEC) % VEC, stop).to(tl.int32)
+        k1 = hint_multiple(tl.maximum((stop - (row_off + stop) % VEC) - lo, 0).to(tl.int32),
+                           VEC)
+    return k0, k1, lo
+
+
+@triton.jit
+def span_ptr(ptr, row_off, lo, ALIGN: tl.constexpr, VEC: tl.constexpr):
+    """ptr + row_off + lo, the base of a vector span's tiles, in a form the compiler knows is a
+    multiple of VEC elements past ptr (jax-triton passes 16-byte aligned arrays)."""
+    if ALIGN >= VEC:
+        base = ptr + row_off
+    else:
+        base = ptr + hint_multiple(row_off + lo, VEC)
+    return base
+
+
+@triton.jit
+def edge_tile(start, stop, lo, n, VEC: tl.constexpr):
+    """(cols, mask): the columns of [start, stop) outside its vector span lo + [0, n), i.e.
+    [start, lo) and [lo + n, stop) (each shorter than VEC), as one [2 * VEC] tile."""
+    e = tl.arange(0, 2 * VEC)
+    head = e < VEC
+    cols = tl.where(head, start + e, lo + n + (e - VEC))
+    return cols, tl.where(head, cols < lo, cols < stop)

@@ -18,8 +18,9 @@ import triton.language as tl
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, slice_stats
-from jax_fusedloss.kernels._online import (LOG2E, hint_multiple, load_field, load_partials,
-                                           load_tile_hint, lse_parts, merge_stats)
+from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
+                                           load_partials, load_tile_hint, lse_parts, merge_stats,
+                                           span_ptr, vector_span)
 
 # Per-row gradient coefficients, float32 [N, COEF_FIELDS] = (a, b, c, lse_lo * w, w): w = 1 as
 # written, and a backward that scales every field by a row's cotangent keeps lse_lo = field 3
@@ -28,27 +29,45 @@ COEF_FIELDS = tl.constexpr(5)  # a constexpr global: the kernels read it
 
 
 @triton.jit
-def _ce_grad_slice(row_ptr, grad_row_ptr, label, lse, lse_lo, a, b, c, start, stop, softcap,
-                   BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
-    """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop), the softmax
-    as exp((z - lse) - lse_lo) (as many operations per column as exp(z - lse)).
+def _ce_grad_tile(x_ptr, g_ptr, offs, mask, cols, label, lse_safe, lo2, a, b, c, softcap,
+                  HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
+    """Writes the gradient of one tile: x at x_ptr + offs, gradient at g_ptr + offs, row
+    columns cols."""
+    z, dz = load_tile_hint(x_ptr, offs, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+    p = tl.math.exp2((z - lse_safe) * LOG2E - lo2)
+    g = a * p - tl.where(cols == label, b, 0.0) - c
+    if HAS_SOFTCAP:
+        g = g * dz
+    tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _ce_grad_slice(x_ptr, row_off, g_ptr, g_off, label, lse, lse_lo, a, b, c, start, stop,
+                   softcap, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   EVICTION: tl.constexpr):
+    """Writes (a * softmax - b * onehot(label) - c) * dz/dx over [start, stop) of the row at
+    x_ptr + row_off into g_ptr + g_off, the softmax as exp((z - lse) - lse_lo) (as many
+    operations per column as exp(z - lse)); _online's aligned tile walk.
 
     Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
-    still sit in L2 when the fused kernel comes back for them.
+    still sit in L2 when the fused kernel comes back for them (the edge tile, at most
+    2 * VEC - 2 columns, goes first).
     """
+    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     lo2 = lse_lo * LOG2E
-    n_tiles = tl.cdiv(stop - start, BLOCK_V)
+    k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        _ce_grad_tile(x_ptr + row_off, g_ptr + g_off, cols, mask, cols, label, lse_safe, lo2,
+                      a, b, c, softcap, HAS_SOFTCAP, EVICTION)
+    xs = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
+    gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
+    n_tiles = tl.cdiv(k1 - k0, BLOCK_V)
     for i in range(0, n_tiles):
-        cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < stop
-        z, dz = load_tile_hint(row_ptr, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-        p = tl.math.exp2((z - lse_safe) * LOG2E - lo2)
-        g = a * p - tl.where(cols == label, b, 0.0) - c
-        if HAS_SOFTCAP:
-            g = g * dz
-        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy=EVICTION)
+        t = k0 + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _ce_grad_tile(xs, gs, t, t < k1, lo + t, label, lse_safe, lo2, a, b, c, softcap,
+                      HAS_SOFTCAP, EVICTION)
 
 
 @triton.jit
@@ -94,17 +113,16 @@ def ce_fwd_kernel(
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
-    m, s, _, sumz, zy = slice_stats(row_ptr, label, 0, V, softcap, 1.0, BLOCK_V, HAS_SOFTCAP,
-                                    HAS_SMOOTHING, True, False,
+    m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, 0, V, softcap, 1.0,
+                                    BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
                                     "evict_last" if WRITE_GRAD else "")
     lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr,
                                                 V, ignore_index, smoothing, z_loss, loss_ptr,
                                                 lse_ptr, coef_ptr, HAS_SMOOTHING, HAS_ZLOSS)
     if WRITE_GRAD:
-        _ce_grad_slice(row_ptr, grad_ptr + row * V, label, lse, lse_lo, a, b, c, 0, V, softcap,
-                       BLOCK_V, HAS_SOFTCAP, "evict_first")
+        _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label, lse, lse_lo, a, b,
+                       c, 0, V, softcap, BLOCK_V, ALIGN, HAS_SOFTCAP, "evict_first")
 
 
 @triton.jit
@@ -128,8 +146,9 @@ def ce_partial_kernel(
     start = split * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
     label = tl.load(labels_ptr + row).to(tl.int32)
-    m, s, _, sumz, zy = slice_stats(logits_ptr + row * stride_row, label, start, stop, softcap,
-                                    1.0, BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, True, False, "")
+    m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, start, stop, softcap,
+                                    1.0, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
+                                    "")
     out = part_ptr + (row * num_splits + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
@@ -185,9 +204,16 @@ def ce_bwd_kernel(
     c = tl.load(coef + 2)
     w = tl.load(coef + 4)
     lse_lo = tl.where(w != 0.0, tl.load(coef + 3) / tl.where(w != 0.0, w, 1.0), 0.0)
-    _ce_grad_slice(logits_ptr + row * stride_row, grad_ptr + row * V, label,
-                   tl.load(lse_ptr + row), lse_lo, a, b, c, start, stop, softcap, BLOCK_V,
+    _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label,
+                   tl.load(lse_ptr + row), lse_lo, a, b, c, start, stop, softcap, BLOCK_V, ALIGN,
                    HAS_SOFTCAP, "")
+
+
+@triton.jit
+def _scale_tile(in_ptr, out_ptr, offs, mask, cot):
+    """out[offs] = in[offs] * cot under mask."""
+    g = tl.load(in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g * cot).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -201,17 +227,23 @@ def scale_rows_kernel(
     # constexprs
     BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Grid (N,): grad_out[row] = grad_in[row] * cot[row]; rows with cot == 1 are skipped."""
+    """Grid (N,): grad_out[row] = grad_in[row] * cot[row]; rows with cot == 1 are skipped.
+    _online's aligned tile walk."""
+    VEC: tl.constexpr = 128 // grad_in_ptr.dtype.element_ty.primitive_bitwidth
     V = hint_multiple(V, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     cot = tl.load(cot_ptr + row)
     if cot != 1.0:
-        for off in range(0, V, BLOCK_V):
-            cols = off + tl.arange(0, BLOCK_V)
-            mask = cols < V
-            g = tl.load(grad_in_ptr + row * V + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(grad_out_ptr + row * V + cols,
-                     (g * cot).to(grad_out_ptr.dtype.element_ty), mask=mask)
+        row_off = row * V
+        k0, k1, lo = vector_span(row_off, 0, V, ALIGN, VEC)
+        if ALIGN < VEC:
+            cols, mask = edge_tile(0, V, lo, k1, VEC)
+            _scale_tile(grad_in_ptr + row_off, grad_out_ptr + row_off, cols, mask, cot)
+        g_in = span_ptr(grad_in_ptr, row_off, lo, ALIGN, VEC)
+        g_out = span_ptr(grad_out_ptr, row_off, lo, ALIGN, VEC)
+        for k in range(k0, k1, BLOCK_V):
+            t = k + tl.arange(0, BLOCK_V)
+            _scale_tile(g_in, g_out, t, t < k1, cot)
 
 
 # ----------------------------------------------------------------------------- launch plans

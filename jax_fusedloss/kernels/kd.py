@@ -28,9 +28,10 @@ import triton.language as tl
 
 from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state,
                                             merge_scaled, scaled_lse, slice_stats)
-from jax_fusedloss.kernels._online import (LOG2E, hint_multiple, load_field, load_partials,
-                                           load_tile, load_tile_hint, lse_parts, merge_stats,
-                                           poison_inf, safe_max)
+from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
+                                           load_partials, load_tile, load_tile_hint, lse_parts,
+                                           merge_stats, poison_inf, safe_max, span_ptr,
+                                           vector_span)
 from jax_fusedloss.kernels.launch import merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
@@ -121,18 +122,35 @@ def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
 
 
 @triton.jit
-def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, r, lg_x, r_L,
-                lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop, EVICTION: tl.constexpr,
-                BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                EVICTION: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+    """Writes the dense gradient of one tile (x at x_ptr + offs, gradient at g_ptr + offs):
+    zeros without a load when there is none ("topk" kd_loss)."""
+    if DISTILL or KD_STATS:
+        z, dz = load_tile_hint(x_ptr, offs, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+        g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
+                         HAS_SOFTCAP, HAS_SMOOTHING)
+    else:
+        g = tl.zeros(offs.shape, tl.float32)
+    tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, label, r, lg_x,
+                r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
+                EVICTION: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
+                BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
                 FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """Writes the unit-cotangent gradient of columns [start, stop) of one row, from the row's
     softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) at an
     id = exp((z - r_L) / T - lg_L)).
 
-    1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile, walking
-       backwards (the tiles the statistics pass read last are the likeliest to be in L2);
-       zeros without a load when there is none ("topk" kd_loss).
+    1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile (_online's
+       aligned tile walk: the edge tile first, then the vector span), walking backwards (the
+       tiles the statistics pass read last are the likeliest to be in L2); zeros without a
+       load when there is none ("topk" kd_loss).
     2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
        entries sharing an id sum their p (and, for "topk", count their q) through a
        [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
@@ -141,18 +159,21 @@ def _write_grad(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, 
     """
     off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
                                                 KD_STATS)
-    n_tiles = tl.cdiv(stop - start, BLOCK_V)
+    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    x_row = x_ptr + x_off
+    grad_row_ptr = g_ptr + g_off
+    k0, k1, lo = vector_span(x_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        _dense_tile(x_row, grad_row_ptr, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp,
+                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+    xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
+    gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
+    n_tiles = tl.cdiv(k1 - k0, BLOCK_V)
     for i in range(0, n_tiles):
-        cols = start + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask = cols < stop
-        if DISTILL or KD_STATS:
-            z, dz = load_tile_hint(x_row, cols, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-            g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
-                             KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
-        else:
-            g = tl.zeros([BLOCK_V], tl.float32)
-        tl.store(grad_row_ptr + cols, g.to(grad_row_ptr.dtype.element_ty), mask=mask,
-                 eviction_policy=EVICTION)
+        t = k0 + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
     tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
     ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
@@ -229,9 +250,9 @@ def kd_fwd_kernel(
         s_kd = merge_scaled(m_i, load_field(base, ok, 2, False), m, inv_temp)
         sumz = tl.sum(load_field(base, ok, 3, False), axis=0)
     elif DISTILL or KD_STATS:
-        m, s, s_kd, sumz, _ = slice_stats(x_row, -1, 0, V, softcap, inv_temp, BLOCK_V,
-                                          HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS,
-                                          "evict_last" if WRITE_GRAD else "")
+        m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
+                                          inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
+                                          DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "")
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
@@ -287,10 +308,10 @@ def kd_fwd_kernel(
     tl.store(out + 7, r_L)
     tl.store(out + 8, lg_L)
     if WRITE_GRAD:
-        _write_grad(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label,
-                    r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, 0, V, "evict_first",
-                    BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
-                    HAS_SMOOTHING)
+        _write_grad(logits_ptr, row * stride_row, grad_ptr, row * V, ids_ptr, logprobs_ptr, row,
+                    V, K, active, label, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap,
+                    0, V, "evict_first", BLOCK_V, ALIGN, BLOCK_K, K_CHUNK, FULL, DISTILL,
+                    KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -313,10 +334,10 @@ def kd_partial_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * SPLIT_V
-    m, s, s_kd, sumz, _ = slice_stats(logits_ptr + row * stride_row, -1, start,
+    m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, start,
                                       tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
-                                      BLOCK_V, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                      "")
+                                      BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
+                                      KD_STATS, "")
     out = part_ptr + (row * tl.num_programs(1) + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
@@ -353,10 +374,10 @@ def kd_bwd_kernel(
     c = 0.0
     if DISTILL:
         a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
-    _write_grad(logits_ptr + row * stride_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row,
-                V, K, active, label, tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
+    _write_grad(logits_ptr, row * stride_row, grad_ptr, row * V, ids_ptr, logprobs_ptr, row, V,
+                K, active, label, tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
                 tl.load(st + 8), tl.load(st + 2), a, b, c, tl.load(st + 4), inv_temp, softcap,
-                start, stop, "", BLOCK_V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS,
+                start, stop, "", BLOCK_V, ALIGN, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS,
                 HAS_SOFTCAP, HAS_SMOOTHING)
 
 

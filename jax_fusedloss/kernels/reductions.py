@@ -23,8 +23,9 @@ Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton onl
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (hint_multiple, load_field, load_partials, load_tile,
-                                           lse_parts, safe_max, tile_update)
+from jax_fusedloss.kernels._online import (edge_tile, hint_multiple, load_field, load_partials,
+                                           load_tile, lse_parts, safe_max, span_ptr, tile_update,
+                                           vector_span)
 from jax_fusedloss.kernels.launch import RowConfig, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
@@ -51,19 +52,34 @@ def _tile_update_ent(m, s, u, z):
 
 
 @triton.jit
-def _red_slice_stats(row_ptr, label, start, stop, inv_temp, BLOCK_V: tl.constexpr,
-                     HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
-    """Partials (m, s, u, z[label] if label in [start, stop) else 0) of one slice of a row."""
+def _red_tile(m, s, u, ptr, offs, mask, inv_temp, HAS_ENTROPY: tl.constexpr):
+    """Folds the tile at ptr + offs (masked lanes -inf) into the partials (m, s, u)."""
+    z, _ = load_tile(ptr, offs, mask, inv_temp, 1.0, False)
+    if HAS_ENTROPY:
+        m, s, u = _tile_update_ent(m, s, u, z)
+    else:
+        m, s = tile_update(m, s, z)
+    return m, s, u
+
+
+@triton.jit
+def _red_slice_stats(x_ptr, row_off, label, start, stop, inv_temp, BLOCK_V: tl.constexpr,
+                     ALIGN: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
+    """Partials (m, s, u, z[label] if label in [start, stop) else 0) of one slice of the row at
+    x_ptr + row_off (_online's aligned tile walk)."""
+    VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     u = tl.zeros([], tl.float32)
-    for off in range(start, stop, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        z, _ = load_tile(row_ptr, cols, cols < stop, inv_temp, 1.0, False)
-        if HAS_ENTROPY:
-            m, s, u = _tile_update_ent(m, s, u, z)
-        else:
-            m, s = tile_update(m, s, z)
+    row_ptr = x_ptr + row_off
+    k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        m, s, u = _red_tile(m, s, u, row_ptr, cols, mask, inv_temp, HAS_ENTROPY)
+    base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
+    for k in range(k0, k1, BLOCK_V):
+        t = k + tl.arange(0, BLOCK_V)
+        m, s, u = _red_tile(m, s, u, base, t, t < k1, inv_temp, HAS_ENTROPY)
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         in_slice = (label >= start) & (label < stop)
@@ -118,8 +134,8 @@ def red_fwd_kernel(
     label = -1
     if HAS_LABEL:
         label = tl.load(labels_ptr + row).to(tl.int32)
-    m, s, u, zy = _red_slice_stats(logits_ptr + row * stride_row, label, start, stop, inv_temp,
-                                   BLOCK_V, HAS_ENTROPY, HAS_LABEL)
+    m, s, u, zy = _red_slice_stats(logits_ptr, row * stride_row, label, start, stop, inv_temp,
+                                   BLOCK_V, ALIGN, HAS_ENTROPY, HAS_LABEL)
     if FINISH:
         _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
                     HAS_LABEL)
@@ -157,6 +173,23 @@ def red_merge_kernel(
         zy = tl.sum(load_field(base, valid, 3, False), axis=0)
     _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
                 logp_ptr, lo_ptr, HAS_ENTROPY, HAS_LABEL)
+
+
+@triton.jit
+def _red_grad_tile(x_ptr, g_ptr, offs, mask, cols, lse_safe, lse_lo, a, b, c, label, poison,
+                   inv_temp, HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
+    """Writes the gradient of one tile: x at x_ptr + offs, gradient at g_ptr + offs, row
+    columns cols."""
+    z, _ = load_tile(x_ptr, offs, mask, inv_temp, 1.0, False)
+    logp = (z - lse_safe) - lse_lo
+    p = tl.exp(logp)
+    g = a * p
+    if HAS_ENTROPY:
+        g -= c * tl.where(p > 0.0, logp, 0.0) * p
+    if HAS_LABEL:
+        g = tl.where(cols == label, g + b, g)
+        g = tl.where(poison, float("nan"), g)
+    tl.store(g_ptr + offs, (g * inv_temp).to(g_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -198,21 +231,19 @@ def red_bwd_kernel(
         poison = ((label < 0) | (label >= V)) & (b != 0.0)
     a = tl.where(live, a, 0.0)
     a = tl.where(lse == float("inf"), float("nan"), a)  # NaN lse: NaN p does it
-    row_ptr = logits_ptr + row * stride_row
-    for off in range(start, stop, BLOCK_V):
-        cols = off + tl.arange(0, BLOCK_V)
-        mask = cols < stop
-        z, _ = load_tile(row_ptr, cols, mask, inv_temp, 1.0, False)
-        logp = (z - lse_safe) - lse_lo
-        p = tl.exp(logp)
-        g = a * p
-        if HAS_ENTROPY:
-            g -= c * tl.where(p > 0.0, logp, 0.0) * p
-        if HAS_LABEL:
-            g = tl.where(cols == label, g + b, g)
-            g = tl.where(poison, float("nan"), g)
-        tl.store(grad_ptr + row * V + cols, (g * inv_temp).to(grad_ptr.dtype.element_ty),
-                 mask=mask)
+    VEC: tl.constexpr = 128 // logits_ptr.dtype.element_ty.primitive_bitwidth
+    row_off = row * stride_row
+    k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        _red_grad_tile(logits_ptr + row_off, grad_ptr + row * V, cols, mask, cols, lse_safe,
+                       lse_lo, a, b, c, label, poison, inv_temp, HAS_ENTROPY, HAS_LABEL)
+    xs = span_ptr(logits_ptr, row_off, lo, ALIGN, VEC)
+    gs = span_ptr(grad_ptr, row * V, lo, ALIGN, VEC)
+    for k in range(k0, k1, BLOCK_V):
+        t = k + tl.arange(0, BLOCK_V)
+        _red_grad_tile(xs, gs, t, t < k1, lo + t, lse_safe, lse_lo, a, b, c, label, poison,
+                       inv_temp, HAS_ENTROPY, HAS_LABEL)
 
 
 def reduction_config(n_rows: int, vocab: int, num_sms: int,

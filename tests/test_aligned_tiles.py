@@ -1,0 +1,160 @@
+"""_online's aligned tile walk (issue 11 item 4): rows whose start is not a multiple of 16 bytes
+(V=50257 and any odd V) are walked as an edge tile plus a vector span of 16-byte groups.
+
+- The walk covers every column of a slice exactly once, whatever the row's offset modulo the
+  vector width, the slice bounds and the tile size; the span starts on an aligned address.
+- The kernels read rows at any offset: the launch plans run on logits whose row stride is not
+  V (the frontends always pass contiguous rows; the kernels take the stride), at odd V, on
+  both launch paths, bf16 and float32, against float64 formulas.
+The compiled kernels' 16-byte vector loads and stores at V=50257 are checked by
+tests/sm90_compile.py (tests/test_compile_sm90.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels import cross_entropy as ce
+from jax_fusedloss.kernels import reductions as red
+from jax_fusedloss.kernels._online import edge_tile, vector_span
+from tests.helpers import DEVICE, GRAD_TOL, TORCH_DTYPES, assert_close
+
+
+@triton.jit
+def _cover_kernel(cases_ptr, count_ptr, base_ptr, W, VEC: tl.constexpr, ALIGN: tl.constexpr,
+                  BLOCK_V: tl.constexpr):
+    """Case i = (row_off, start, stop): count[i, col] += 1 for each column the walk visits
+    (edge tile, then the span's tiles); base[i, 0] = the absolute offset of the span's first
+    column modulo VEC, base[i, 1] = the span's length."""
+    i = tl.program_id(0)
+    row_off = tl.load(cases_ptr + i * 3)
+    start = tl.load(cases_ptr + i * 3 + 1).to(tl.int32)
+    stop = tl.load(cases_ptr + i * 3 + 2).to(tl.int32)
+    out = count_ptr + i * W
+    k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        tl.atomic_add(out + cols, tl.where(mask, 1, 0), mask=mask)
+    for k in range(k0, k1, BLOCK_V):
+        t = k + tl.arange(0, BLOCK_V)
+        tl.atomic_add(out + lo + t, tl.where(t < k1, 1, 0), mask=t < k1)
+    tl.store(base_ptr + i * 2, ((row_off + lo + k0) % VEC).to(tl.int32))
+    tl.store(base_ptr + i * 2 + 1, (k1 - k0).to(tl.int32))
+
+
+@pytest.mark.parametrize("vec,align,block", [(8, 1, 16), (8, 2, 8), (4, 1, 16), (4, 4, 8),
+                                             (8, 8, 16)])
+def test_walk_covers_each_column_once(vec, align, block):
+    """Every row offset residue (and one past 2**32), slices from empty to several tiles,
+    starting on and off a group: each column of [start, stop) visited once, nothing else; the
+    span starts aligned and (unaligned walks) has a length that is a multiple of the width."""
+    width = 64
+    offsets = list(range(0, vec, align)) + [2 ** 32 + 2 * vec + align]
+    cases = [(off, start, start + length) for off in offsets
+             for start in (0, 1, vec - 1, vec + 3) if start % align == 0
+             for length in (0, 1, vec - 1, vec, vec + 1, 2 * vec - 1, block + vec - 1,
+                            3 * block + 1, width - start)]
+    table = torch.tensor(cases, dtype=torch.int64, device=DEVICE)
+    count = torch.zeros((len(cases), width), dtype=torch.int32, device=DEVICE)
+    base = torch.zeros((len(cases), 2), dtype=torch.int32, device=DEVICE)
+    _cover_kernel[(len(cases),)](table, count, base, width, VEC=vec, ALIGN=align,
+                                 BLOCK_V=block)
+    cols = torch.arange(width)
+    count, base = count.cpu(), base.cpu()
+    for i, (off, start, stop) in enumerate(cases):
+        want = ((cols >= start) & (cols < stop)).int()
+        assert torch.equal(count[i], want), (
+            f"VEC={vec} ALIGN={align} row_off={off} [{start}, {stop}): visits "
+            f"{count[i].tolist()}")
+        if base[i, 1] > 0:  # an empty span (a slice holding no whole group) has no base
+            assert base[i, 0] == 0, f"row_off={off} [{start}, {stop}): span {base[i]}"
+        if align < vec:
+            assert base[i, 1] % vec == 0, f"row_off={off} [{start}, {stop}): span {base[i]}"
+
+
+# ------------------------------------------------------------------ plans on strided rows
+def _run(plan, stride: int, **tensors):
+    """Executes a plan (as torch_ref._launch.run_plan) with every launch's stride_row set to
+    `stride`; x may be a row-strided view."""
+    env = dict(tensors)
+    x = tensors["x"]
+    dtypes = {"float32": torch.float32, "int32": torch.int32, "logits": x.dtype}
+    for step in plan.launches:
+        names = step.kernel.arg_names  # (inputs..., scalars..., outputs..., CONSTEXPRS)
+        scalars = list(step.scalars)
+        if "stride_row" in names:
+            scalars[names.index("stride_row") - len(step.inputs)] = stride
+        inputs = [env[i] if isinstance(i, str) else
+                  torch.zeros(i.shape, dtype=dtypes[i.dtype], device=x.device)
+                  for i in step.inputs]
+        outs = [torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
+                for b in step.outputs]
+        extra = {"num_warps": step.num_warps} if x.is_cuda else {}
+        step.kernel[step.grid](*inputs, *scalars, *outs, **extra, **step.constexprs)
+        env.update((b.name, o) for b, o in zip(step.outputs, outs))
+    return tuple(env[name] for name in plan.results)
+
+
+def _strided_logits(seed, n, vocab, stride, dtype):
+    """[n, vocab] logits (N(0, 2)) as a view with row stride `stride`; padding columns NaN."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.full((n, stride), float("nan"), dtype=torch.float64)
+    full[:, :vocab] = torch.randn((n, vocab), generator=g, dtype=torch.float64) * 2.0
+    x = full.to(TORCH_DTYPES[dtype]).to(DEVICE)[:, :vocab]
+    assert x.stride(0) == stride
+    return x, x.to(torch.float64)
+
+
+# (V, SMs): rows one program each (1 SM), or split over vocabulary slices (64 SMs; only
+# vocabularies over one 4096-element tile split). 8 rows: with an odd stride, every row offset
+# residue modulo the vector width.
+CASES = [(7, 1), (97, 1), (1003, 1), (4099, 1), (4099, 64)]
+DTYPES = ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,sms", CASES)
+def test_logsumexp_strided_rows(vocab, sms, dtype):
+    """Forward log-sum-exp, entropy and label log-prob of rows with stride V + 2 (row offsets
+    in every residue; no congruence with V needed: nothing is written per column)."""
+    n, stride = 8, vocab + 2
+    x, x64 = _strided_logits(0, n, vocab, stride, dtype)
+    y = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1),
+                      dtype=torch.int32).to(DEVICE)
+    plan = red.red_fwd_plan(n, vocab, inv_temp=1.0, entropy=True, has_label=True, num_sms=sms)
+    lse, ent, logp, _ = _run(plan, stride, x=x, y=y)
+    ref_lse = torch.logsumexp(x64, dim=-1)
+    logp_all = x64.log_softmax(-1)
+    what = f"V={vocab} sms={sms} {dtype}"
+    assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5, what=f"lse {what}")
+    assert_close(ent, -(logp_all.exp() * logp_all).sum(-1), rtol=2e-5, atol=2e-5,
+                 what=f"entropy {what}")
+    assert_close(logp, logp_all.gather(1, y.long()[:, None])[:, 0], rtol=2e-5, atol=2e-5,
+                 what=f"logp {what}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,sms", CASES)
+def test_cross_entropy_strided_rows(vocab, sms, dtype):
+    """Cross-entropy loss and its gradient (written by the forward on the row path, by the
+    backward kernel on the split path) for rows with stride V + 16: the gradient [N, V] is
+    written at row * V, congruent to the logits' row offsets modulo 16 bytes, as the span's
+    stores require."""
+    n, stride = 8, vocab + 16
+    x, x64 = _strided_logits(2, n, vocab, stride, dtype)
+    y = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(3),
+                      dtype=torch.int32).to(DEVICE)
+    scale = torch.linspace(0.5, 1.5, n, dtype=torch.float32, device=DEVICE)
+    plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None,
+                          num_sms=sms, write_grad=True)
+    loss, _, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
+    onehot = torch.nn.functional.one_hot(y.long(), vocab).to(x64)
+    what = f"V={vocab} sms={sms} {dtype}"
+    assert_close(loss, torch.logsumexp(x64, -1) - (x64 * onehot).sum(-1), rtol=2e-5,
+                 atol=2e-5, what=f"loss {what}")
+    ref = (x64.softmax(-1) - onehot) * scale.to(x64)[:, None]
+    tol = GRAD_TOL[dtype] * float(ref.abs().max())
+    assert grad.dtype == x.dtype and grad.is_contiguous()
+    assert_close(grad, ref, rtol=GRAD_TOL[dtype], atol=tol, what=f"grad {what}")
