@@ -17,9 +17,9 @@ import triton.language as tl
 
 from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
-from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, slice_stats
+from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, load_z, slice_stats
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
-                                           load_partials, load_tile_hint, lse_parts, merge_stats,
+                                           load_partials, lse_parts, merge_stats,
                                            span_ptr, vector_span)
 
 # Per-row gradient coefficients, float32 [N, COEF_FIELDS] = (a, b, c, lse_lo * w, w): w = 1 as
@@ -29,16 +29,19 @@ COEF_FIELDS = tl.constexpr(5)  # a constexpr global: the kernels read it
 
 
 @triton.jit
-def _ce_grad_tile(x_ptr, g_ptr, offs, mask, cols, label, lse_safe, lo2, a, b, c, softcap,
-                  HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr):
-    """Writes the gradient of one tile: x at x_ptr + offs, gradient at g_ptr + offs, row
-    columns cols."""
-    z, dz = load_tile_hint(x_ptr, offs, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
-    p = tl.math.exp2((z - lse_safe) * LOG2E - lo2)
-    g = a * p - tl.where(cols == label, b, 0.0) - c
+def _ce_grad_tile(x_ptr, g_ptr, offs, mask, lse_safe, lo2, a, c, softcap,
+                  HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr, MASKED: tl.constexpr):
+    """Writes (a * softmax - c) * dz/dx for one tile: x at x_ptr + offs, gradient at
+    g_ptr + offs (the label's term is _ce_grad_slice's fix-up)."""
+    z, dz = load_z(x_ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
+    g = a * tl.math.exp2((z - lse_safe) * LOG2E - lo2) - c
     if HAS_SOFTCAP:
         g = g * dz
-    tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+    if MASKED:
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy=EVICTION)
+    else:
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -49,9 +52,12 @@ def _ce_grad_slice(x_ptr, row_off, g_ptr, g_off, label, lse, lse_lo, a, b, c, st
     x_ptr + row_off into g_ptr + g_off, the softmax as exp((z - lse) - lse_lo) (as many
     operations per column as exp(z - lse)); _online's aligned tile walk.
 
-    Walks the slice backwards: the tiles the statistics pass read last are the likeliest to
-    still sit in L2 when the fused kernel comes back for them (the edge tile, at most
-    2 * VEC - 2 columns, goes first).
+    The tiles write (a * softmax - c) * dz/dx; the label's column is then rewritten once, after
+    a barrier (so that it lands after the tile store of the same address), instead of a
+    compare and select per column. Walks the slice backwards: the tiles the statistics pass
+    read last are the likeliest to still sit in L2 when the fused kernel comes back for them
+    (the edge tile, at most 2 * VEC - 2 columns, and the partial last tile go first; whole
+    tiles store unmasked).
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
@@ -59,15 +65,27 @@ def _ce_grad_slice(x_ptr, row_off, g_ptr, g_off, label, lse, lse_lo, a, b, c, st
     k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
-        _ce_grad_tile(x_ptr + row_off, g_ptr + g_off, cols, mask, cols, label, lse_safe, lo2,
-                      a, b, c, softcap, HAS_SOFTCAP, EVICTION)
+        _ce_grad_tile(x_ptr + row_off, g_ptr + g_off, cols, mask, lse_safe, lo2, a, c, softcap,
+                      HAS_SOFTCAP, EVICTION, True)
     xs = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
     gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
-    n_tiles = tl.cdiv(k1 - k0, BLOCK_V)
-    for i in range(0, n_tiles):
-        t = k0 + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        _ce_grad_tile(xs, gs, t, t < k1, lo + t, label, lse_safe, lo2, a, b, c, softcap,
-                      HAS_SOFTCAP, EVICTION)
+    n_full = (k1 - k0) // BLOCK_V
+    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+        t = k + tl.arange(0, BLOCK_V)
+        _ce_grad_tile(xs, gs, t, t < k1, lse_safe, lo2, a, c, softcap, HAS_SOFTCAP, EVICTION,
+                      True)
+    for i in range(0, n_full):
+        t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _ce_grad_tile(xs, gs, t, t < k1, lse_safe, lo2, a, c, softcap, HAS_SOFTCAP, EVICTION,
+                      False)
+    tl.debug_barrier()  # the tile stores of this program before the label's store
+    in_slice = (label >= start) & (label < stop)
+    col = tl.where(in_slice, label, start)
+    zy, dzy = load_z(x_ptr + row_off, col, in_slice, softcap, HAS_SOFTCAP, "", True)
+    gy = a * tl.math.exp2((zy - lse_safe) * LOG2E - lo2) - b - c
+    if HAS_SOFTCAP:
+        gy = gy * dzy
+    tl.store(g_ptr + g_off + col, gy.to(g_ptr.dtype.element_ty), mask=in_slice)
 
 
 @triton.jit

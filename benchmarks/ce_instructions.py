@@ -1,0 +1,175 @@
+"""GPU prototype: fewer instructions per logit in the fused cross-entropy forward + gradient.
+
+    source .whl/gpu-env.sh && python3 -m benchmarks.ce_instructions > $OUT/ce_instructions.txt
+
+The fused kernel is latency- and instruction-bound, not bandwidth-bound (Nsight Compute,
+benchmarks/NOTES.md). This stripped kernel (no options: unit row weight, no smoothing,
+z-loss or softcap) toggles three changes against the library's kernel measured in the same
+run: per-lane sums (`lane`), unmasked whole tiles (`unmasked`) and the label's column written
+once after a barrier instead of a compare per logit (`fixup`). The library adopted them
+(kernels/_ce_core.slice_stats, kernels/cross_entropy._ce_grad_slice). H100 result:
+benchmarks/results/ce_instructions_h100.txt.
+"""
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from jax_fusedloss.kernels._online import LOG2E, hint_multiple, lse_parts, safe_max
+
+
+@triton.jit
+def _stats_tile(z, m, s, s_vec, LANE_SUM: tl.constexpr):
+    m_new = tl.maximum(m, tl.max(z, axis=0))
+    ms = safe_max(m_new)
+    alpha = tl.math.exp2((m - ms) * LOG2E)
+    e = tl.math.exp2((z - ms) * LOG2E)
+    if LANE_SUM:
+        s_vec = s_vec * alpha + e
+    else:
+        s = s * alpha + tl.sum(e, axis=0)
+    return m_new, s, s_vec
+
+
+@triton.jit
+def ce_fast_kernel(
+    x_ptr,
+    y_ptr,
+    V,
+    loss_ptr,
+    lse_ptr,
+    grad_ptr,
+    scale,
+    BLOCK: tl.constexpr,
+    LANE_SUM: tl.constexpr,
+    UNMASKED: tl.constexpr,
+    FIXUP: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    V = hint_multiple(V, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * V
+    g_ptr = grad_ptr + row * V
+    label = tl.load(y_ptr + row).to(tl.int32)
+    ar = tl.arange(0, BLOCK)
+    n_full = V // BLOCK if UNMASKED else 0
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    s_vec = tl.zeros([BLOCK], tl.float32)
+    for t in range(0, n_full):
+        z = tl.load(row_ptr + t * BLOCK + ar, eviction_policy="evict_last").to(tl.float32)
+        m, s, s_vec = _stats_tile(z, m, s, s_vec, LANE_SUM)
+    for off in range(n_full * BLOCK, V, BLOCK):
+        cols = off + ar
+        z = tl.load(
+            row_ptr + cols, mask=cols < V, other=float("-inf"), eviction_policy="evict_last"
+        ).to(tl.float32)
+        m, s, s_vec = _stats_tile(z, m, s, s_vec, LANE_SUM)
+    if LANE_SUM:
+        s = tl.sum(s_vec, axis=0)
+    lse, lse_lo = lse_parts(m, s)
+    zy = tl.load(row_ptr + label).to(tl.float32)
+    tl.store(loss_ptr + row, (lse - zy) + lse_lo)
+    tl.store(lse_ptr + row, lse)
+    a = scale
+    b = scale
+    c = scale * 0.0
+    lo2 = lse_lo * LOG2E
+    # pass 2, backwards: the masked tail first, then full tiles from the end
+    for off in range(n_full * BLOCK, V, BLOCK):
+        cols = off + ar
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(
+            tl.float32
+        )
+        g = a * tl.math.exp2((z - lse) * LOG2E - lo2) - c
+        if not FIXUP:
+            g = g - tl.where(cols == label, b, 0.0)
+        tl.store(
+            g_ptr + cols, g.to(g_ptr.dtype.element_ty), mask=mask, eviction_policy="evict_first"
+        )
+    for i in range(0, n_full):
+        off = (n_full - 1 - i) * BLOCK
+        z = tl.load(row_ptr + off + ar, eviction_policy="evict_first").to(tl.float32)
+        g = a * tl.math.exp2((z - lse) * LOG2E - lo2) - c
+        if not FIXUP:
+            g = g - tl.where(off + ar == label, b, 0.0)
+        tl.store(g_ptr + off + ar, g.to(g_ptr.dtype.element_ty), eviction_policy="evict_first")
+    if FIXUP:
+        tl.debug_barrier()
+        gy = a * tl.math.exp2((zy - lse) * LOG2E - lo2) - c - b
+        tl.store(g_ptr + label, gy.to(g_ptr.dtype.element_ty))
+
+
+def run(x, y, block, warps, lane, unmasked, fixup):
+    n, v = x.shape
+    loss = torch.empty(n, device=x.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    g = torch.empty_like(x)
+    align = 16
+    while v % align:
+        align //= 2
+    ce_fast_kernel[(n,)](
+        x,
+        y,
+        v,
+        loss,
+        lse,
+        g,
+        1.0,
+        BLOCK=block,
+        LANE_SUM=lane,
+        UNMASKED=unmasked,
+        FIXUP=fixup,
+        ALIGN=align,
+        num_warps=warps,
+    )
+    return loss, g
+
+
+def _case(dt, v, n=8192):
+    """One (dtype, V) case: the library's kernel, then the prototype's configurations."""
+    from triton.testing import do_bench
+
+    from torch_ref.cross_entropy import _fwd
+
+    torch.manual_seed(0)
+    x = torch.randn(n, v, device="cuda", dtype=dt) * 2
+    y = torch.randint(0, v, (n,), device="cuda", dtype=torch.int32)
+    ref_loss = torch.nn.functional.cross_entropy(x.float(), y.long(), reduction="none")
+    ref_g = torch.softmax(x.float(), -1)
+    ref_g[torch.arange(n), y.long()] -= 1
+    ones = torch.ones(n, device="cuda")
+    copy = do_bench(lambda: x.clone(), rep=200)
+    prod = do_bench(lambda: _fwd(x, y, ones, -100, 0.0, 0.0, None, True), rep=300)
+    print(f"{dt} V={v}: copy {copy:.3f} ms | production {prod:.3f} ms "
+          f"({prod / copy:.3f}x copy)", flush=True)
+    full = v == 128256 and dt == torch.bfloat16
+    cfgs = ([(16384, 32), (8192, 16), (16384, 16), (4096, 8), (8192, 8)] if full
+            else [(16384, 32), (8192, 16)])
+    flags = (list(itertools.product([0, 1], repeat=3)) if full
+             else [(0, 0, 0), (0, 1, 1), (1, 1, 1)])
+    for (block, warps), (lane, unm, fix) in itertools.product(cfgs, flags):
+        head = f"  B={block:5d} w={warps:2d} lane={lane} unmasked={unm} fixup={fix}:"
+        try:
+            loss, g = run(x, y, block, warps, lane, unm, fix)
+            el = (loss - ref_loss).abs().max().item()
+            eg = (g.float() - ref_g).abs().max().item()
+            t = do_bench(lambda: run(x, y, block, warps, lane, unm, fix), rep=300)
+            print(f"{head} {t:.3f} ms ({t / copy:.3f}x copy, {t / prod:.3f}x prod) "
+                  f"err loss {el:.1e} grad {eg:.1e}", flush=True)
+        except Exception as e:  # a configuration that does not compile or fit
+            print(f"{head} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def main():
+    for dt, v in ((torch.bfloat16, 128256), (torch.float32, 128256), (torch.bfloat16, 32000),
+                  (torch.bfloat16, 256000), (torch.bfloat16, 50257)):
+        _case(dt, v)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
