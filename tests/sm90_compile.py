@@ -32,8 +32,8 @@ ROW_WRITERS = ("red_bwd_kernel", "ce_fwd_kernel", "ce_bwd_kernel", "scale_rows_k
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
     """triton.compile for sm_90 with jax-triton's assumptions: pointers 16-byte aligned."""
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(signature.values())
-             if t.startswith("*")}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, t in signature.items() if t.startswith("*")}
     sig = dict(signature, **{c: "constexpr" for c in constexprs})
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))

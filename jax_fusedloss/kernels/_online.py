@@ -157,11 +157,14 @@ def hint_multiple(x, ALIGN: tl.constexpr):
 #     for k in range(k0, k1, BLOCK_V):
 #         t = k + tl.arange(0, BLOCK_V)
 #         ... the tile at base + t under t < k1, columns lo + t
-# (BLOCK_V a multiple of VEC). An aligned vocabulary (ALIGN >= VEC) has no edge and its span
-# is the slice itself (k0, k1, lo = start, stop, 0): the walk is the plain one, as it compiled
-# before the span existed. A pass that also writes a row walks its output with the same span
-# (span_ptr of the output's row offset), so the output's row offsets must be congruent to the
-# input's modulo VEC: the plans pass stride_row = V.
+# (BLOCK_V a multiple of VEC; VEC annotated tl.constexpr: the interpreter makes a plain local a
+# tensor). An aligned vocabulary (ALIGN >= VEC) has no edge and its span is the slice itself
+# (k0, k1, lo = start, stop, 0): the plain walk, the same instructions as before the span
+# existed. A pass that also writes a row walks its output with the same span (span_ptr of the
+# output's row offset), so the output's row offsets must be congruent to the input's modulo
+# VEC: the plans pass stride_row = V. A buffer that is not 16-byte aligned (a torch view) gets
+# no pointer alignment from Triton's launcher: scalar accesses, still correct.
+# tests/sm90_compile.py checks the compiled vectors, tests/test_aligned_tiles.py the walk.
 @triton.jit
 def vector_span(row_off, start, stop, ALIGN: tl.constexpr, VEC: tl.constexpr):
     """(k0, k1, lo): the vector span of the slice [start, stop) of a row at element offset
