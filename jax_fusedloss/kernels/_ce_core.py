@@ -78,7 +78,8 @@ def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: t
 @triton.jit
 def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-                CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr):
+                CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr,
+                LANES: tl.constexpr):
     """Statistics of z over [start, stop) of the row at x_ptr + row_off in one online walk
     (_online's aligned tile walk): (m, s, s_kd, sum z, z[label]).
 
@@ -87,10 +88,14 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     (HAS_SMOOTHING, else 0) and z[label] if label lies in [start, stop) (else 0). The sums
     are relative to safe_max(m): logsumexp(z) = stats_to_lse(m, s) and
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
-    element; z - m is shared. The span's whole tiles load unmasked, its last partial tile
-    masked; the sums are kept per lane and reduced once (fewer instructions and block
-    reductions per logit: H100, bf16, V=128256, fused forward + gradient 2.00 -> 1.73 ms in
-    the prototype, benchmarks/results/ce_instructions_h100.txt).
+    element; z - m is shared.
+
+    LANES (cross-entropy's fused forward + gradient): the span's whole tiles load unmasked,
+    its last partial tile masked, and the sums are kept per lane and reduced once: fewer
+    instructions and block reductions per logit (H100, bf16, V=128256: that kernel 2.13 ->
+    1.93 ms; benchmarks/results/ce_instructions_h100.txt). Elsewhere one masked loop with
+    scalar sums, measured faster there (kd_loss "full" fwd+bwd 2.02 vs 2.19 ms, cross_entropy
+    forward alone 0.75 vs 0.78 ms).
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E
@@ -106,38 +111,35 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
                                        HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION,
                                        True, False)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
-    # Per-lane sums (the edge tile's scalars in lane 0) for cross-entropy's statistics; the
-    # distillation walk with its second sum keeps scalar sums (per-lane, its registers cost
-    # more than the reductions saved: kd_loss "full" 2.05 -> 2.26 ms on H100).
-    LANES: tl.constexpr = not KD_STATS
-    if LANES:
+    if LANES:  # per-lane sums, the edge tile's scalars in lane 0
         first = tl.arange(0, BLOCK_V) == 0
-        s_v = tl.where(first, s, 0.0)
-        s_kd_v = tl.where(first, s_kd, 0.0)
-        sumz_v = tl.where(first, sumz, 0.0)
+        s = tl.where(first, s, 0.0)
+        s_kd = tl.where(first, s_kd, 0.0)
+        sumz = tl.where(first, sumz, 0.0)
+        n_full = (k1 - k0) // BLOCK_V
+        for i in range(0, n_full):
+            t = k0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
+            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
+                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                           EVICTION, False, True)
+        for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+            t = k + tl.arange(0, BLOCK_V)
+            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
+                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                           EVICTION, True, True)
+        s = tl.sum(s, axis=0)
+        s_kd = tl.sum(s_kd, axis=0)
+        sumz = tl.sum(sumz, axis=0)
     else:
-        s_v = s
-        s_kd_v = s_kd
-        sumz_v = sumz
-    n_full = (k1 - k0) // BLOCK_V
-    for i in range(0, n_full):
-        t = k0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
-        m, s_v, s_kd_v, sumz_v = _stats_tile(m, s_v, s_kd_v, sumz_v, base, t, t < k1, softcap,
-                                             c_kd, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
-                                             KD_STATS, EVICTION, False, LANES)
-    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
-        t = k + tl.arange(0, BLOCK_V)
-        m, s_v, s_kd_v, sumz_v = _stats_tile(m, s_v, s_kd_v, sumz_v, base, t, t < k1, softcap,
-                                             c_kd, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
-                                             KD_STATS, EVICTION, True, LANES)
+        for k in range(k0, k1, BLOCK_V):
+            t = k + tl.arange(0, BLOCK_V)
+            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
+                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                           EVICTION, True, False)
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_z(row_ptr, tl.where(in_slice, label, start), in_slice, softcap, HAS_SOFTCAP, "",
                    True)
-    if LANES:
-        s_v = tl.sum(s_v, axis=0)
-        s_kd_v = tl.sum(s_kd_v, axis=0)
-        sumz_v = tl.sum(sumz_v, axis=0)
-    return m, s_v, s_kd_v, sumz_v, tl.where(in_slice, zy, 0.0)
+    return m, s, s_kd, sumz, tl.where(in_slice, zy, 0.0)
 
 
 @triton.jit
