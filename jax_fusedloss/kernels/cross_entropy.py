@@ -62,6 +62,13 @@ def _ce_grad_slice(x_ptr, row_off, g_ptr, g_off, label, lse, lse_lo, a, b, c, st
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
     lo2 = lse_lo * LOG2E
+    # The label's logit is read before any tile is written: the gradient may overwrite the
+    # logits in place (linear_cross_entropy's chunks); the barrier orders this read before
+    # every thread's stores.
+    in_slice = (label >= start) & (label < stop)
+    col = tl.where(in_slice, label, start)
+    zy, dzy = load_z(x_ptr + row_off, col, in_slice, softcap, HAS_SOFTCAP, "", True)
+    tl.debug_barrier()
     k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
@@ -79,9 +86,6 @@ def _ce_grad_slice(x_ptr, row_off, g_ptr, g_off, label, lse, lse_lo, a, b, c, st
         _ce_grad_tile(xs, gs, t, t < k1, lse_safe, lo2, a, c, softcap, HAS_SOFTCAP, EVICTION,
                       False)
     tl.debug_barrier()  # the tile stores of this program before the label's store
-    in_slice = (label >= start) & (label < stop)
-    col = tl.where(in_slice, label, start)
-    zy, dzy = load_z(x_ptr + row_off, col, in_slice, softcap, HAS_SOFTCAP, "", True)
     gy = a * tl.math.exp2((zy - lse_safe) * LOG2E - lo2) - b - c
     if HAS_SOFTCAP:
         gy = gy * dzy
