@@ -49,6 +49,12 @@ def chunk_layout(vocab: int, n: int | None = None) -> tuple[int, int]:
     return width, -(-vocab // width)
 
 
+def one_pass(vocab: int, n: int) -> bool:
+    """Whether `[n, vocab]` is reduced by `one_pass_stats` (whole rows in one chunk, at most
+    ONE_PASS_MAX_ROWS of them) rather than walked chunk by chunk."""
+    return chunk_layout(vocab, n)[1] == 1 and n <= ONE_PASS_MAX_ROWS
+
+
 def chunk_start(i, vocab: int, width: int):
     """Start column of chunk i and the first column it owns (earlier ones belong to chunk i-1)."""
     owned = i * width
@@ -80,9 +86,9 @@ def online_step(carry, z, zsum):
     -inf) and zsum (z with masked entries 0)."""
     m, s, sz = carry
     m_new = jnp.maximum(m, z.max(axis=1))
-    alpha = jnp.exp(m - safe_max(m_new))
-    e = jnp.exp(z - safe_max(m_new)[:, None])
-    return m_new, s * alpha + e.sum(axis=1), sz + zsum.sum(axis=1)
+    ms = safe_max(m_new)
+    e = jnp.exp(z - ms[:, None])
+    return m_new, s * jnp.exp(m - ms) + e.sum(axis=1), sz + zsum.sum(axis=1)
 
 
 def one_pass_stats(z: jax.Array, centered: bool = False, add: tuple = ()):
@@ -136,10 +142,10 @@ def online_stats(x: jax.Array, inv_temp: float = 1.0, softcap: float | None = No
             return online_step(stats_init(xb.shape[0], 3), z, z)
 
         return row_blocks(x, rows, 3, whole=softcap is None and inv_temp == 1.0)
-    width, count = chunk_layout(vocab, n)
-    if count == 1 and n <= ONE_PASS_MAX_ROWS:  # few rows: one kernel
+    if one_pass(vocab, n):  # few rows: one kernel
         z, _ = transform(x, inv_temp, softcap)
         return one_pass_stats(z, add=(z,))
+    width, count = chunk_layout(vocab, n)
 
     def body(i, carry):
         start, owned = chunk_start(i, vocab, width)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss._xla.chunks import (ONE_PASS_MAX_ROWS, carry_like, chunk_layout,
-                                       chunk_start, one_pass_stats, row_blocks, stats_init,
-                                       transform, whole_rows, write_chunks)
+from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, one_pass,
+                                       one_pass_stats, row_blocks, stats_init, transform,
+                                       whole_rows, write_chunks)
 from jax_fusedloss._xla.chunks import lse_parts, safe_max
 
 
@@ -70,12 +70,11 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
         chunk = (mc[:, 0], e.sum(axis=1), u)
         return merge_stats(*(jnp.stack([a, b]) for a, b in zip(carry, chunk)), axis=0)
 
-    width, count = chunk_layout(vocab, n)
     if whole_rows():
         m, s, u = row_blocks(
             x, lambda xb: step(stats_init(xb.shape[0], 3), transform(xb, inv_temp, None)[0]), 3,
             whole=inv_temp == 1.0)
-    elif count == 1 and n <= ONE_PASS_MAX_ROWS:  # one kernel; the label's logit as a plain sum
+    elif one_pass(vocab, n):  # one kernel; the label's logit as a plain sum
         z, _ = transform(x, inv_temp, None)
         picked = () if y is None else (
             jnp.where(jax.lax.broadcasted_iota(jnp.int32, z.shape, 1) == y[:, None], z, 0.0),)
@@ -83,6 +82,7 @@ def slice_stats(x: jax.Array, y: jax.Array | None, opts):
         u = rest.pop(0) if opts.entropy else jnp.zeros_like(s)  # u only feeds the entropy
         return m, s, u, rest[0] if rest else None
     else:
+        width, count = chunk_layout(vocab, n)
 
         def body(i, carry):
             start, owned = chunk_start(i, vocab, width)
