@@ -103,6 +103,90 @@ def ce_fast_kernel(
         tl.store(g_ptr + label, gy.to(g_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _thread_update(m, s, z):
+    """Per-thread online softmax: z is a [T, R] tile whose rows each sit in one thread's
+    registers (R = one 16-byte vector), (m, s) are [T]: no cross-thread reduction, no barrier."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    ms2 = safe_max(m_new) * LOG2E
+    alpha = tl.minimum(tl.math.exp2(m * LOG2E - ms2), 3.4028234663852886e38)
+    s = s * alpha + tl.sum(tl.math.exp2(z * LOG2E - ms2[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
+                     BLOCK: tl.constexpr, R: tl.constexpr, GBLOCK: tl.constexpr,
+                     STAGES: tl.constexpr, ALIGN: tl.constexpr):
+    """The statistics pass on [BLOCK // R, R] tiles with per-thread (max, sum) merged once at
+    the end (no block-wide reduction, so no barrier, per tile); the gradient pass as
+    ce_fast_kernel's best (unmasked whole tiles backwards, label fix-up)."""
+    V = hint_multiple(V, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * V
+    g_ptr = grad_ptr + row * V
+    label = tl.load(y_ptr + row).to(tl.int32)
+    T: tl.constexpr = BLOCK // R
+    rr = tl.arange(0, T)[:, None] * R + tl.arange(0, R)[None, :]
+    m = tl.full([T], float("-inf"), tl.float32)
+    s = tl.zeros([T], tl.float32)
+    n_full = V // BLOCK
+    if STAGES > 0:
+        for t in tl.range(0, n_full, num_stages=STAGES):
+            z = tl.load(row_ptr + t * BLOCK + rr, eviction_policy="evict_last").to(tl.float32)
+            m, s = _thread_update(m, s, z)
+    else:
+        for t in range(0, n_full):
+            z = tl.load(row_ptr + t * BLOCK + rr, eviction_policy="evict_last").to(tl.float32)
+            m, s = _thread_update(m, s, z)
+    for off in range(n_full * BLOCK, V, BLOCK):
+        cols = off + rr
+        z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"),
+                    eviction_policy="evict_last").to(tl.float32)
+        m, s = _thread_update(m, s, z)
+    mt = tl.max(m, axis=0)
+    st = tl.sum(s * tl.math.exp2((m - safe_max(mt)) * LOG2E), axis=0)
+    lse, lse_lo = lse_parts(mt, st)
+    zy = tl.load(row_ptr + label).to(tl.float32)
+    tl.store(loss_ptr + row, (lse - zy) + lse_lo)
+    tl.store(lse_ptr + row, lse)
+    a = scale
+    c = scale * 0.0
+    lo2 = lse_lo * LOG2E
+    lse2 = lse * LOG2E + lo2
+    ar = tl.arange(0, GBLOCK)
+    g_full = V // GBLOCK
+    for off in range(g_full * GBLOCK, V, GBLOCK):
+        cols = off + ar
+        mask = cols < V
+        z = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(
+            tl.float32)
+        g = a * tl.math.exp2(z * LOG2E - lse2) - c
+        tl.store(g_ptr + cols, g.to(g_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy="evict_first")
+    for i in range(0, g_full):
+        off = (g_full - 1 - i) * GBLOCK
+        z = tl.load(row_ptr + off + ar, eviction_policy="evict_first").to(tl.float32)
+        g = a * tl.math.exp2(z * LOG2E - lse2) - c
+        tl.store(g_ptr + off + ar, g.to(g_ptr.dtype.element_ty), eviction_policy="evict_first")
+    tl.debug_barrier()
+    gy = a * tl.math.exp2(zy * LOG2E - lse2) - c - scale
+    tl.store(g_ptr + label, gy.to(g_ptr.dtype.element_ty))
+
+
+def run_thread(x, y, block, gblock, warps, stages):
+    n, v = x.shape
+    loss = torch.empty(n, device=x.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    g = torch.empty_like(x)
+    align = 16
+    while v % align:
+        align //= 2
+    ce_thread_kernel[(n,)](x, y, v, loss, lse, g, 1.0, BLOCK=block, R=16 // x.element_size(),
+                           GBLOCK=gblock, STAGES=stages, ALIGN=align, num_warps=warps)
+    return loss, g
+
+
 def run(x, y, block, warps, lane, unmasked, fixup):
     n, v = x.shape
     loss = torch.empty(n, device=x.device, dtype=torch.float32)
@@ -129,8 +213,8 @@ def run(x, y, block, warps, lane, unmasked, fixup):
     return loss, g
 
 
-def _case(dt, v, n=8192):
-    """One (dtype, V) case: the library's kernel, then the prototype's configurations."""
+def _setup(dt, v, n=8192):
+    """Inputs, float32 references, and the copy and library times of one (dtype, V) case."""
     from triton.testing import do_bench
 
     from torch_ref.cross_entropy import _fwd
@@ -146,6 +230,27 @@ def _case(dt, v, n=8192):
     prod = do_bench(lambda: _fwd(x, y, ones, -100, 0.0, 0.0, None, True), rep=300)
     print(f"{dt} V={v}: copy {copy:.3f} ms | production {prod:.3f} ms "
           f"({prod / copy:.3f}x copy)", flush=True)
+    return x, y, ref_loss, ref_g, copy, prod
+
+
+def _measure(head, fn, ref_loss, ref_g, copy, prod):
+    """Times fn() -> (loss, grad) after checking it against the references."""
+    from triton.testing import do_bench
+
+    try:
+        loss, g = fn()
+        el = (loss - ref_loss).abs().max().item()
+        eg = (g.float() - ref_g).abs().max().item()
+        t = do_bench(fn, rep=300)
+        print(f"{head} {t:.3f} ms ({t / copy:.3f}x copy, {t / prod:.3f}x prod) "
+              f"err loss {el:.1e} grad {eg:.1e}", flush=True)
+    except Exception as e:  # a configuration that does not compile or fit
+        print(f"{head} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def _case(dt, v, n=8192):
+    """One (dtype, V) case: the library's kernel, then the prototype's configurations."""
+    x, y, ref_loss, ref_g, copy, prod = _setup(dt, v, n)
     full = v == 128256 and dt == torch.bfloat16
     cfgs = ([(16384, 32), (8192, 16), (16384, 16), (4096, 8), (8192, 8)] if full
             else [(16384, 32), (8192, 16)])
@@ -153,18 +258,35 @@ def _case(dt, v, n=8192):
              else [(0, 0, 0), (0, 1, 1), (1, 1, 1)])
     for (block, warps), (lane, unm, fix) in itertools.product(cfgs, flags):
         head = f"  B={block:5d} w={warps:2d} lane={lane} unmasked={unm} fixup={fix}:"
-        try:
-            loss, g = run(x, y, block, warps, lane, unm, fix)
-            el = (loss - ref_loss).abs().max().item()
-            eg = (g.float() - ref_g).abs().max().item()
-            t = do_bench(lambda: run(x, y, block, warps, lane, unm, fix), rep=300)
-            print(f"{head} {t:.3f} ms ({t / copy:.3f}x copy, {t / prod:.3f}x prod) "
-                  f"err loss {el:.1e} grad {eg:.1e}", flush=True)
-        except Exception as e:  # a configuration that does not compile or fit
-            print(f"{head} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+        _measure(head, lambda: run(x, y, block, warps, lane, unm, fix), ref_loss, ref_g, copy,
+                 prod)
+
+
+def _thread_case(dt, v, full, n=8192):
+    """Per-thread statistics (ce_thread_kernel) against the library and ce_fast_kernel's best."""
+    x, y, ref_loss, ref_g, copy, prod = _setup(dt, v, n)
+    _measure("  ce_fast B=16384 w=32 lane=1 unmasked=1 fixup=1:",
+             lambda: run(x, y, 16384, 32, 1, 1, 1), ref_loss, ref_g, copy, prod)
+    cfgs = ([(b, 16384, 32, st) for b in (8192, 16384, 32768) for st in (0, 2, 3)]
+            + [(b, gb, 16, 0) for b in (4096, 8192, 16384) for gb in (8192, 16384)]
+            + [(4096, 8192, 8, 0), (8192, 8192, 8, 0)]) if full else [
+        (16384, 16384, 32, 0), (8192, 16384, 32, 0), (8192, 8192, 16, 0), (16384, 16384, 16, 0)]
+    for block, gblock, warps, stages in cfgs:
+        head = f"  thread B={block:5d} G={gblock:5d} w={warps:2d} stages={stages}:"
+        _measure(head, lambda: run_thread(x, y, block, gblock, warps, stages), ref_loss, ref_g,
+                 copy, prod)
 
 
 def main():
+    import sys
+
+    if "--thread" in sys.argv:
+        for dt, v in ((torch.bfloat16, 128256), (torch.float32, 128256),
+                      (torch.bfloat16, 32000), (torch.bfloat16, 256000),
+                      (torch.bfloat16, 151936)):
+            _thread_case(dt, v, full=(dt == torch.bfloat16 and v == 128256))
+            torch.cuda.empty_cache()
+        return
     for dt, v in ((torch.bfloat16, 128256), (torch.float32, 128256), (torch.bfloat16, 32000),
                   (torch.bfloat16, 256000), (torch.bfloat16, 50257)):
         _case(dt, v)
