@@ -117,7 +117,8 @@ def _thread_update(m, s, z):
 @triton.jit
 def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
                      BLOCK: tl.constexpr, R: tl.constexpr, GBLOCK: tl.constexpr,
-                     STAGES: tl.constexpr, ALIGN: tl.constexpr):
+                     UNROLL: tl.constexpr, GUNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+                     ALIGN: tl.constexpr):
     """The statistics pass on [BLOCK // R, R] tiles with per-thread (max, sum) merged once at
     the end (no block-wide reduction, so no barrier, per tile); the gradient pass as
     ce_fast_kernel's best (unmasked whole tiles backwards, label fix-up)."""
@@ -131,12 +132,16 @@ def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
     m = tl.full([T], float("-inf"), tl.float32)
     s = tl.zeros([T], tl.float32)
     n_full = V // BLOCK
-    if STAGES > 0:
-        for t in tl.range(0, n_full, num_stages=STAGES):
-            z = tl.load(row_ptr + t * BLOCK + rr, eviction_policy="evict_last").to(tl.float32)
+    if PREFETCH:  # the next tile's load issued before this tile's arithmetic
+        z_next = tl.load(row_ptr + rr, mask=rr < n_full * BLOCK, other=0.0,
+                         eviction_policy="evict_last")
+        for t in tl.range(0, n_full, loop_unroll_factor=UNROLL):
+            z = z_next.to(tl.float32)
+            nxt = tl.minimum(t + 1, n_full - 1) * BLOCK
+            z_next = tl.load(row_ptr + nxt + rr, eviction_policy="evict_last")
             m, s = _thread_update(m, s, z)
     else:
-        for t in range(0, n_full):
+        for t in tl.range(0, n_full, loop_unroll_factor=UNROLL):
             z = tl.load(row_ptr + t * BLOCK + rr, eviction_policy="evict_last").to(tl.float32)
             m, s = _thread_update(m, s, z)
     for off in range(n_full * BLOCK, V, BLOCK):
@@ -164,7 +169,7 @@ def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
         g = a * tl.math.exp2(z * LOG2E - lse2) - c
         tl.store(g_ptr + cols, g.to(g_ptr.dtype.element_ty), mask=mask,
                  eviction_policy="evict_first")
-    for i in range(0, g_full):
+    for i in tl.range(0, g_full, loop_unroll_factor=GUNROLL):
         off = (g_full - 1 - i) * GBLOCK
         z = tl.load(row_ptr + off + ar, eviction_policy="evict_first").to(tl.float32)
         g = a * tl.math.exp2(z * LOG2E - lse2) - c
@@ -174,7 +179,7 @@ def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
     tl.store(g_ptr + label, gy.to(g_ptr.dtype.element_ty))
 
 
-def run_thread(x, y, block, gblock, warps, stages):
+def run_thread(x, y, block, gblock, warps, unroll=1, gunroll=1, prefetch=0):
     n, v = x.shape
     loss = torch.empty(n, device=x.device, dtype=torch.float32)
     lse = torch.empty_like(loss)
@@ -183,7 +188,8 @@ def run_thread(x, y, block, gblock, warps, stages):
     while v % align:
         align //= 2
     ce_thread_kernel[(n,)](x, y, v, loss, lse, g, 1.0, BLOCK=block, R=16 // x.element_size(),
-                           GBLOCK=gblock, STAGES=stages, ALIGN=align, num_warps=warps)
+                           GBLOCK=gblock, UNROLL=unroll, GUNROLL=gunroll, PREFETCH=prefetch,
+                           ALIGN=align, num_warps=warps)
     return loss, g
 
 
@@ -267,14 +273,16 @@ def _thread_case(dt, v, full, n=8192):
     x, y, ref_loss, ref_g, copy, prod = _setup(dt, v, n)
     _measure("  ce_fast B=16384 w=32 lane=1 unmasked=1 fixup=1:",
              lambda: run(x, y, 16384, 32, 1, 1, 1), ref_loss, ref_g, copy, prod)
-    cfgs = ([(b, 16384, 32, st) for b in (8192, 16384, 32768) for st in (0, 2, 3)]
-            + [(b, gb, 16, 0) for b in (4096, 8192, 16384) for gb in (8192, 16384)]
-            + [(4096, 8192, 8, 0), (8192, 8192, 8, 0)]) if full else [
-        (16384, 16384, 32, 0), (8192, 16384, 32, 0), (8192, 8192, 16, 0), (16384, 16384, 16, 0)]
-    for block, gblock, warps, stages in cfgs:
-        head = f"  thread B={block:5d} G={gblock:5d} w={warps:2d} stages={stages}:"
-        _measure(head, lambda: run_thread(x, y, block, gblock, warps, stages), ref_loss, ref_g,
-                 copy, prod)
+    cfgs = ([(b, 16384, 32, u, gu, pf) for b in (8192, 16384) for u, gu, pf in (
+        (1, 1, 0), (2, 1, 0), (4, 1, 0), (1, 2, 0), (2, 2, 0), (1, 1, 1), (2, 2, 1))]
+        + [(b, 16384, 16, u, gu, pf) for b in (8192, 16384) for u, gu, pf in (
+            (1, 1, 0), (2, 2, 0), (1, 1, 1))]) if full else [
+        (16384, 16384, 32, 1, 1, 0), (16384, 16384, 32, 2, 2, 0), (16384, 16384, 32, 1, 1, 1),
+        (8192, 16384, 32, 2, 2, 1)]
+    for block, gblock, warps, u, gu, pf in cfgs:
+        head = f"  thread B={block:5d} G={gblock:5d} w={warps:2d} unroll={u},{gu} prefetch={pf}:"
+        _measure(head, lambda: run_thread(x, y, block, gblock, warps, u, gu, pf), ref_loss,
+                 ref_g, copy, prod)
 
 
 def main():
