@@ -158,3 +158,54 @@ def test_cross_entropy_strided_rows(vocab, sms, dtype):
     tol = GRAD_TOL[dtype] * float(ref.abs().max())
     assert grad.dtype == x.dtype and grad.is_contiguous()
     assert_close(grad, ref, rtol=GRAD_TOL[dtype], atol=tol, what=f"grad {what}")
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("vocab", [64, 203, 517])
+@pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, 5.0)])
+def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, monkeypatch):
+    """The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats THREAD,
+    with the next tile prefetched for 16-bit logits) over many tiles: 64-element tiles
+    instead of 16384, so a row holds one to eight whole tiles plus a partial one and, at odd V,
+    an edge tile. Rows whose max sits in the last tile (every thread's sum rescaled late),
+    whose label is in the partial tile, with -inf entries, and an ignored row; row stride
+    V + 16; against float64 formulas."""
+    from jax_fusedloss.kernels import launch
+
+    monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
+    n, stride = 6, vocab + 16
+    x, _ = _strided_logits(4, n, vocab, stride, dtype)
+    x[1, -2] = 30.0  # the max in the last (partial) tile
+    x[2, 0] = 25.0  # the max in the first column (the edge tile at odd V)
+    if smoothing == 0.0 and softcap is None:
+        x[3, 5:vocab:3] = float("-inf")
+    x64 = x.to(torch.float64)
+    y = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(5),
+                      dtype=torch.int32)
+    y[4] = vocab - 1  # the label in the partial tile
+    y[5] = -100  # ignored
+    y = y.to(DEVICE)
+    scale = torch.linspace(0.5, 1.5, n, dtype=torch.float32, device=DEVICE)
+    plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=smoothing, z_loss=0.0,
+                          softcap=softcap, num_sms=1, write_grad=True)
+    assert plan.launches[0].constexprs["BLOCK_V"] == 64
+    loss, lse, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
+    z, dz = x64, torch.ones_like(x64)
+    if softcap is not None:
+        z = softcap * torch.tanh(x64 / softcap)
+        dz = 1 - torch.tanh(x64 / softcap) ** 2
+    kept = y != -100
+    onehot = torch.nn.functional.one_hot(torch.where(kept, y, 0).long(), vocab).to(x64)
+    ref_lse = torch.logsumexp(z, -1)
+    zy = (torch.where(onehot > 0, z, 0.0)).sum(-1)
+    ref_loss = (1 - smoothing) * (ref_lse - zy)
+    if smoothing:
+        ref_loss = ref_loss + smoothing * (ref_lse - z.mean(-1))
+    ref_loss = torch.where(kept.cpu() if not kept.is_cuda else kept, ref_loss, 0.0)
+    w = (scale.to(x64) * kept.to(x64))[:, None]
+    ref = w * (z.softmax(-1) - (1 - smoothing) * onehot - smoothing / vocab) * dz
+    what = f"V={vocab} {dtype} smoothing={smoothing} softcap={softcap}"
+    assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5, what=f"lse {what}")
+    assert_close(loss, ref_loss, rtol=2e-5, atol=2e-5, what=f"loss {what}")
+    tol = GRAD_TOL[dtype] * float(ref.abs().max())
+    assert_close(grad, ref, rtol=GRAD_TOL[dtype], atol=tol, what=f"grad {what}")

@@ -15,8 +15,8 @@ Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (LOG2E, edge_tile, poison_inf, safe_max, span_ptr,
-                                           tanh_and_grad, vector_span)
+from jax_fusedloss.kernels._online import (LOG2E, edge_tile, merge_stats, poison_inf, safe_max,
+                                           span_ptr, tanh_and_grad, vector_span)
 
 
 @triton.jit
@@ -29,16 +29,20 @@ def label_state(labels_ptr, row, V, ignore_index):
 
 
 @triton.jit
-def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr,
-           MASKED: tl.constexpr):
-    """(z, dz/dx) in float32 of a tile of raw logits with no temperature (z = x, or the
-    softcap's c tanh(x / c)); masked lanes get z = -inf. Unlike _online.load_tile, no multiply
-    by an inverse temperature (an instruction per logit); MASKED=False loads without a mask (a
+def load_raw(ptr, offs, mask, EVICTION: tl.constexpr, MASKED: tl.constexpr):
+    """The tile at ptr + offs as stored (masked lanes 0); MASKED=False loads without a mask (a
     tile wholly inside the row: the compiler drops the selects)."""
     if MASKED:
         x = tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy=EVICTION)
     else:
         x = tl.load(ptr + offs, eviction_policy=EVICTION)
+    return x
+
+
+@triton.jit
+def to_z(x, mask, softcap, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """(z, dz/dx) in float32 of a tile x of raw logits with no temperature (z = x, or the
+    softcap's c tanh(x / c)); masked lanes get z = -inf."""
     z = x.to(tl.float32)
     dz = z
     if HAS_SOFTCAP:
@@ -50,28 +54,54 @@ def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.con
 
 
 @triton.jit
+def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.constexpr,
+           MASKED: tl.constexpr):
+    """to_z of load_raw: unlike _online.load_tile, no multiply by an inverse temperature (an
+    instruction per logit)."""
+    return to_z(load_raw(ptr, offs, mask, EVICTION, MASKED), mask, softcap, HAS_SOFTCAP, MASKED)
+
+
+@triton.jit
 def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
-                EVICTION: tl.constexpr, MASKED: tl.constexpr, LANES: tl.constexpr):
-    """Folds the tile at ptr + offs (masked lanes -inf) into slice_stats' (m, s, s_kd, sum z).
-    With LANES the sums are per-lane vectors of the tile's shape (one block reduction per tile,
-    the max, instead of three; slice_stats reduces them once at the end)."""
+                EVICTION: tl.constexpr, MASKED: tl.constexpr):
+    """Folds the 1-D tile at ptr + offs (masked lanes -inf) into slice_stats' scalar (m, s,
+    s_kd, sum z)."""
     z, _ = load_z(ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
     m_new = tl.maximum(m, tl.max(z, axis=0))
     ms = safe_max(m_new)
     d = z - ms
     if CE_STATS:
-        # at most FLT_MAX: a lane whose sum is 0 stays 0 when the max jumps to +inf
+        # at most FLT_MAX: a sum that is 0 stays 0 when the max jumps to +inf
         alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
-        e = tl.exp(d)
-        s = s * alpha + (e if LANES else tl.sum(e, axis=0))
+        s = s * alpha + tl.sum(tl.exp(d), axis=0)
     if KD_STATS:
         alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
-        e_kd = tl.math.exp2(d * c_kd)
-        s_kd = s_kd * alpha_kd + (e_kd if LANES else tl.sum(e_kd, axis=0))
+        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=0)
     if HAS_SMOOTHING:
-        zs = tl.where(mask, z, 0.0) if MASKED else z
-        sumz += zs if LANES else tl.sum(zs, axis=0)
+        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=0)
+    return m_new, s, s_kd, sumz
+
+
+@triton.jit
+def _thread_fold(m, s, s_kd, sumz, x, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
+                 HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """Folds a [T, VEC] tile x of raw logits, each row one thread's 16-byte vector, into
+    per-thread statistics (m, s, s_kd, sum z) of shape [T]: reductions along axis 1 stay in a
+    thread's registers, so a tile costs no block reduction and no barrier."""
+    z, _ = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    ms = safe_max(m_new)
+    d = z - ms[:, None]
+    if CE_STATS:
+        alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
+        s = s * alpha + tl.sum(tl.exp(d), axis=1)
+    if KD_STATS:
+        alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
+        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=1)
+    if HAS_SMOOTHING:
+        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=1)
     return m_new, s, s_kd, sumz
 
 
@@ -79,7 +109,7 @@ def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: t
 def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                 CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr,
-                LANES: tl.constexpr):
+                THREAD: tl.constexpr, PREFETCH: tl.constexpr):
     """Statistics of z over [start, stop) of the row at x_ptr + row_off in one online walk
     (_online's aligned tile walk): (m, s, s_kd, sum z, z[label]).
 
@@ -90,12 +120,13 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
     element; z - m is shared.
 
-    LANES (cross-entropy's fused forward + gradient): the span's whole tiles load unmasked,
-    its last partial tile masked, and the sums are kept per lane and reduced once: fewer
-    instructions and block reductions per logit (H100, bf16, V=128256: that kernel 2.13 ->
-    1.93 ms; benchmarks/results/ce_instructions_h100.txt). Elsewhere one masked loop with
-    scalar sums, measured faster there (kd_loss "full" fwd+bwd 2.02 vs 2.19 ms, cross_entropy
-    forward alone 0.75 vs 0.78 ms).
+    THREAD: the span is walked as [BLOCK_V / VEC, VEC] tiles with per-thread statistics
+    merged once at the end (_thread_fold: no block reduction or barrier per tile), whole tiles
+    unmasked; with PREFETCH and 16-bit logits the next whole tile's load is issued before this
+    tile's arithmetic (twice the bytes in flight). H100, bf16, N=8192, the fused forward + gradient:
+    V=128256 1.78 -> 1.56 ms, V=32000 0.50 -> 0.35 ms against per-lane sums with a block max
+    per tile (benchmarks/results/ce_thread_h100.txt). Without THREAD one masked loop with
+    scalar statistics (a block reduction per tile).
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E
@@ -109,33 +140,50 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
         m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, row_ptr, cols, mask, softcap, c_kd,
                                        HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION,
-                                       True, False)
+                                       True)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
-    if LANES:  # per-lane sums, the edge tile's scalars in lane 0
-        first = tl.arange(0, BLOCK_V) == 0
+    if THREAD:  # per-thread statistics, the edge tile's scalars in thread row 0
+        T: tl.constexpr = BLOCK_V // VEC
+        rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        first = tl.arange(0, T) == 0
+        m = tl.where(first, m, float("-inf"))
         s = tl.where(first, s, 0.0)
         s_kd = tl.where(first, s_kd, 0.0)
         sumz = tl.where(first, sumz, 0.0)
         n_full = (k1 - k0) // BLOCK_V
-        for i in range(0, n_full):
-            t = k0 + i * BLOCK_V + tl.arange(0, BLOCK_V)
-            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
-                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                           EVICTION, False, True)
+        # 16-bit logits only: with float32 tiles (twice the bytes per tile) the prefetch was
+        # slower on H100 (3.99 vs 3.58 ms at V=128256) or no faster
+        if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
+            x_next = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, EVICTION, True)
+            for i in range(0, n_full):
+                x = x_next
+                x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
+                                  rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
+                m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
+                                                HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                                False)
+        else:
+            for i in range(0, n_full):
+                x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
+                m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
+                                                HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                                False)
         for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
-            t = k + tl.arange(0, BLOCK_V)
-            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
-                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                           EVICTION, True, True)
-        s = tl.sum(s, axis=0)
-        s_kd = tl.sum(s_kd, axis=0)
+            t = k + rr
+            x = load_raw(base, t, t < k1, EVICTION, True)
+            m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, t < k1, softcap, c_kd,
+                                            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, True)
+        m_t = m
+        m, s = merge_stats(m_t, s)
+        if KD_STATS:
+            s_kd = merge_scaled(m_t, s_kd, m, kd_scale)
         sumz = tl.sum(sumz, axis=0)
     else:
         for k in range(k0, k1, BLOCK_V):
             t = k + tl.arange(0, BLOCK_V)
             m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
                                            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                           EVICTION, True, False)
+                                           EVICTION, True)
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_z(row_ptr, tl.where(in_slice, label, start), in_slice, softcap, HAS_SOFTCAP, "",
                    True)
