@@ -138,7 +138,7 @@ def ce_fwd_kernel(
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, 0, V, softcap, 1.0,
                                     BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
-                                    "evict_last" if WRITE_GRAD else "", WRITE_GRAD, WRITE_GRAD)
+                                    "evict_last" if WRITE_GRAD else "", True, True)
     lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr,
                                                 V, ignore_index, smoothing, z_loss, loss_ptr,
                                                 lse_ptr, coef_ptr, HAS_SMOOTHING, HAS_ZLOSS)

@@ -253,7 +253,7 @@ def kd_fwd_kernel(
         m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
                                           inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
                                           DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
-                                          False, False)
+                                          WRITE_GRAD, WRITE_GRAD)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
