@@ -285,9 +285,53 @@ def _thread_case(dt, v, full, n=8192):
                  ref_g, copy, prod)
 
 
+
+def run_library(x, y, block, warps, prefetch, write_grad=True):
+    """The library's ce_fwd_kernel launched directly with a chosen tile, warps and PREFETCH."""
+    from jax_fusedloss.kernels.cross_entropy import COEF_FIELDS, ce_fwd_kernel
+    from jax_fusedloss.kernels.launch import vocab_align
+
+    n, v = x.shape
+    loss = torch.empty(n, device=x.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    coef = torch.empty((n, COEF_FIELDS.value), device=x.device, dtype=torch.float32)
+    g = torch.empty_like(x) if write_grad else torch.empty((1,), device=x.device, dtype=x.dtype)
+    scale = torch.ones(n, device=x.device, dtype=torch.float32)
+    ce_fwd_kernel[(n,)](x, y, scale, v, v, -100, 0.0, 0.0, 1.0, loss, lse, coef, g,
+                        BLOCK_V=block, HAS_SOFTCAP=False, HAS_SMOOTHING=False, HAS_ZLOSS=False,
+                        WRITE_GRAD=write_grad, ALIGN=vocab_align(v), PREFETCH=prefetch,
+                        num_warps=warps)
+    return loss, g
+
+
+def main_library():
+    """--library: the library's fused kernel over tiles, warps and PREFETCH at every named
+    vocabulary (the launch heuristic's table), forward + gradient and forward alone."""
+    for dt in (torch.bfloat16, torch.float32):
+        for v in (32000, 50257, 128256, 151936, 256000):
+            x, y, ref_loss, ref_g, copy, prod = _setup(dt, v)
+            for block, warps, pf in ((16384, 32, 0), (16384, 32, 1), (8192, 32, 1),
+                                     (8192, 16, 1), (8192, 16, 0), (32768, 32, 0)):
+                if dt == torch.float32 and pf:
+                    continue  # the kernel prefetches 16-bit logits only
+                _measure(f"  library B={block:5d} w={warps:2d} prefetch={pf}:",
+                         lambda: run_library(x, y, block, warps, pf), ref_loss, ref_g, copy,
+                         prod)
+            for block, warps, pf in ((4096, 8, 0), (4096, 8, 1), (8192, 16, 1)):
+                if dt == torch.float32 and pf:
+                    continue
+                from triton.testing import do_bench
+                t = do_bench(lambda: run_library(x, y, block, warps, pf, False), rep=200)
+                print(f"  forward alone B={block:5d} w={warps:2d} prefetch={pf}: {t:.3f} ms "
+                      f"({2 * t / copy:.3f}x read)", flush=True)
+            torch.cuda.empty_cache()
+
+
 def main():
     import sys
 
+    if "--library" in sys.argv:
+        return main_library()
     if "--thread" in sys.argv:
         for dt, v in ((torch.bfloat16, 128256), (torch.float32, 128256),
                       (torch.bfloat16, 32000), (torch.bfloat16, 256000),
@@ -299,6 +343,7 @@ def main():
                   (torch.bfloat16, 256000), (torch.bfloat16, 50257)):
         _case(dt, v)
         torch.cuda.empty_cache()
+
 
 
 if __name__ == "__main__":

@@ -125,9 +125,11 @@ def ce_fwd_kernel(
     # constexprs
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Row path, one program per row: loss, lse, gradient coefficients and, if WRITE_GRAD,
-    the gradient for a unit cotangent (scaled by row_scale) in the same program.
+    the gradient for a unit cotangent (scaled by row_scale) in the same program. The
+    statistics walk is slice_stats' per-thread one (PREFETCH: see there).
 
     With WRITE_GRAD the statistics pass asks L1/L2 to keep its lines (evict_last) and the
     gradient pass streams (evict_first), so the re-read of the row hits cache more often.
@@ -138,7 +140,7 @@ def ce_fwd_kernel(
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, 0, V, softcap, 1.0,
                                     BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
-                                    "evict_last" if WRITE_GRAD else "", True, True)
+                                    "evict_last" if WRITE_GRAD else "", True, PREFETCH)
     lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr,
                                                 V, ignore_index, smoothing, z_loss, loss_ptr,
                                                 lse_ptr, coef_ptr, HAS_SMOOTHING, HAS_ZLOSS)
@@ -319,7 +321,8 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
             (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0)),
             rows + (grad,), cfg.num_warps,
             dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
-                 WRITE_GRAD=write_grad, **_flags(softcap, smoothing)), aliases=alias),), results)
+                 WRITE_GRAD=write_grad, PREFETCH=True, **_flags(softcap, smoothing)),
+            aliases=alias),), results)
     part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
     merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
                    (vocab, ignore_index, smoothing, z_loss), rows, 1,
