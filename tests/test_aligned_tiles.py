@@ -162,17 +162,19 @@ def test_cross_entropy_strided_rows(vocab, sms, dtype):
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 @pytest.mark.parametrize("vocab", [64, 203, 517])
-@pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, 5.0)])
-def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, monkeypatch):
+@pytest.mark.parametrize("smoothing,softcap,prefetch", [(0.0, None, True), (0.1, 5.0, True),
+                                                        (0.0, None, False)])
+def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, monkeypatch):
     """The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats THREAD,
-    with the next tile prefetched for 16-bit logits) over many tiles: 64-element tiles
-    instead of 16384, so a row holds one to eight whole tiles plus a partial one and, at odd V,
-    an edge tile. Rows whose max sits in the last tile (every thread's sum rescaled late),
-    whose label is in the partial tile, with -inf entries, and an ignored row; row stride
-    V + 16; against float64 formulas."""
+    with and without the next tile prefetched, which applies to 16-bit logits) over many
+    tiles: 64-element tiles instead of 16384, so a row holds one to eight whole tiles plus a
+    partial one and, at odd V, an edge tile. Rows whose max sits in the last tile (every
+    thread's sum rescaled late), whose label is in the partial tile, with -inf entries, and an
+    ignored row; row stride V + 16; against float64 formulas."""
     from jax_fusedloss.kernels import launch
 
     monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
+    monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0 if prefetch else 10 ** 9)
     n, stride = 6, vocab + 16
     x, _ = _strided_logits(4, n, vocab, stride, dtype)
     x[1, -2] = 30.0  # the max in the last (partial) tile
@@ -189,6 +191,7 @@ def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, monkeypatc
     plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=smoothing, z_loss=0.0,
                           softcap=softcap, num_sms=1, write_grad=True)
     assert plan.launches[0].constexprs["BLOCK_V"] == 64
+    assert plan.launches[0].constexprs["PREFETCH"] == prefetch
     loss, lse, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
     z, dz = x64, torch.ones_like(x64)
     if softcap is not None:
@@ -204,7 +207,7 @@ def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, monkeypatc
     ref_loss = torch.where(kept.cpu() if not kept.is_cuda else kept, ref_loss, 0.0)
     w = (scale.to(x64) * kept.to(x64))[:, None]
     ref = w * (z.softmax(-1) - (1 - smoothing) * onehot - smoothing / vocab) * dz
-    what = f"V={vocab} {dtype} smoothing={smoothing} softcap={softcap}"
+    what = f"V={vocab} {dtype} smoothing={smoothing} softcap={softcap} prefetch={prefetch}"
     assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5, what=f"lse {what}")
     assert_close(loss, ref_loss, rtol=2e-5, atol=2e-5, what=f"loss {what}")
     tol = GRAD_TOL[dtype] * float(ref.abs().max())

@@ -12,7 +12,7 @@ import jax_fusedloss
 import torch_ref
 from tests import opbase
 from tests.helpers import (DEVICE, assert_close, assert_grad_close, check_transformations,
-                           random_logits, to_numpy, to_torch)
+                           force_path, random_logits, to_numpy, to_torch)
 from tests.opbase import IMPLS, JAX_IMPLS, spec
 from tests.reference import jax_ref
 
@@ -92,6 +92,26 @@ def test_grid_covers_both_paths_and_several_tiles():
 def test_kd_grid(impl, path, dtype, case):
     shape, k, normalize, t = CASES[case]
     KD.check(impl, dtype, shape, k=k, normalize=normalize, temperature=t, forward=True)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch_ref"])
+@pytest.mark.parametrize("fn,temperature", [("kd", 2.0), ("distill", 1.0)])
+def test_fused_walk_with_prefetch_over_many_tiles(impl, fn, temperature, monkeypatch):
+    """The fused forward + gradient's per-thread statistics walk with the next tile
+    prefetched (bf16; on the GPU only from V = PREFETCH_MIN_VOCAB, here forced) over ten
+    512-element tiles, a partial one and an edge tile (V = 5003): both softmax sums (kd at
+    T = 2) and the shared one (distill at T = 1). A shape no other test traces, so no cached
+    trace without the prefetch stands in for it."""
+    from jax_fusedloss.kernels import launch
+
+    force_path("rows", monkeypatch)
+    monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 512)
+    monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
+    cfg = launch.row_config(3, 5003, 1, write_grad=True)
+    assert cfg.prefetch and cfg.block_v == 512 and cfg.num_splits == 1
+    extra = dict(alpha=0.3) if fn == "distill" else {}
+    OPS[fn].check(impl, "bfloat16", (3, 5003), k=16, normalize="full", temperature=temperature,
+                  **extra)
 
 
 @opbase.grid(dtype=["float32", "bfloat16"], case=list(DISTILL_CASES))  # float16: the kd grid

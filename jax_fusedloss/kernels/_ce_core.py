@@ -120,13 +120,15 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
     element; z - m is shared.
 
-    THREAD: the span is walked as [BLOCK_V / VEC, VEC] tiles with per-thread statistics
-    merged once at the end (_thread_fold: no block reduction or barrier per tile), whole tiles
-    unmasked; with PREFETCH and 16-bit logits the next whole tile's load is issued before this
-    tile's arithmetic (twice the bytes in flight). H100, bf16, N=8192, the fused forward + gradient:
-    V=128256 1.78 -> 1.56 ms, V=32000 0.50 -> 0.35 ms against per-lane sums with a block max
-    per tile (benchmarks/results/ce_thread_h100.txt). Without THREAD one masked loop with
-    scalar statistics (a block reduction per tile).
+    THREAD (the row kernels of both families): the span is walked as [BLOCK_V / VEC, VEC]
+    tiles with per-thread statistics merged once at the end (_thread_fold: no block reduction
+    or barrier per tile), whole tiles unmasked; with PREFETCH and 16-bit logits the next whole
+    tile's load is issued before this tile's arithmetic (twice the bytes in flight; the launch
+    heuristic turns it on for long rows, launch.PREFETCH_MIN_VOCAB). H100, bf16, N=8192, the
+    fused forward + gradient alone: V=128256 1.79 ms with per-lane sums and a block max per
+    tile, 1.79 per-thread, 1.56 per-thread with the prefetch; V=32000 0.50 -> 0.35 ms
+    per-thread (benchmarks/results/ce_thread_h100.txt, ce_library_h100.txt). Without THREAD
+    (the split path's partial kernels) one masked loop with scalar statistics.
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E

@@ -321,7 +321,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
             (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0)),
             rows + (grad,), cfg.num_warps,
             dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
-                 WRITE_GRAD=write_grad, PREFETCH=True, **_flags(softcap, smoothing)),
+                 WRITE_GRAD=write_grad, PREFETCH=cfg.prefetch, **_flags(softcap, smoothing)),
             aliases=alias),), results)
     part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
     merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),

@@ -225,10 +225,11 @@ def kd_fwd_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
-    path; with WRITE_GRAD also the unit-cotangent gradient) or from split partials.
+    path, _ce_core.slice_stats' per-thread walk, PREFETCH as there; with WRITE_GRAD also the
+    unit-cotangent gradient) or from split partials.
 
     With WRITE_GRAD the statistics pass asks the caches to keep its lines (evict_last) so the
     gradient pass re-reads the row from L2 more often.
@@ -253,7 +254,7 @@ def kd_fwd_kernel(
         m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
                                           inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
                                           DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
-                                          WRITE_GRAD, WRITE_GRAD)
+                                          True, PREFETCH)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
@@ -439,7 +440,8 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
         (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"), grad),
         cfg.num_warps if fused else 4,
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
-             FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align, **flags)))
+             FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align,
+             PREFETCH=cfg.prefetch and write_here, **flags)))
     if write_grad and not fused:
         launches.append(kd_bwd_launch(n, vocab, k, scalars, flags, cfg))
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))

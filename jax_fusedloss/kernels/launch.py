@@ -22,6 +22,14 @@ SPLIT_PROGRAMS_PER_SM = 8
 # 0.710 ms = copy floor; fp32 1.370 ms vs 1.351 best).
 FWD_TILE_ELEMS = 4096
 GRAD_TILE_ELEMS = 16384
+# The fused forward + gradient's statistics walk (_ce_core.slice_stats THREAD) prefetches the
+# next whole tile of 16-bit logits from this vocabulary up: H100, bf16, N=8192, that kernel
+# alone (benchmarks/results/ce_library_h100.txt), ms without / with the prefetch:
+#   V        32000        50257        128256       151936       256000
+#          0.364/0.466  0.610/0.764  1.792/1.561  2.192/1.960  3.935/3.612
+# (copy of the logits 0.351 / 0.549 / 1.393 / 1.653 / 2.778 ms). Rows of one to three whole
+# tiles lose with it; between 50257 and 128256 nothing was measured.
+PREFETCH_MIN_VOCAB = 65536
 
 
 # implementation=None on a CUDA GPU: up to this many rows XLA's own whole-row formula (the XLA
@@ -48,6 +56,7 @@ class RowConfig(NamedTuple):
     num_splits: int  # programs per row; 1 = fused single-program row path
     split_v: int  # vocabulary slice per program, a multiple of block_v
     align: int  # largest power of two <= 16 dividing vocab: the ALIGN constexpr of hint_multiple
+    prefetch: bool = False  # the PREFETCH constexpr of a fused row pass that writes the gradient
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -60,7 +69,7 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
     if n_rows >= PROGRAMS_PER_SM * num_sms:
         block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
         return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
-                         vocab_align(vocab))
+                         vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB)
     # Few rows: split each row over programs; short latency-bound programs want small tiles.
     block_v, num_warps = _tile(vocab, FWD_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
