@@ -40,7 +40,8 @@ def _rescale(m, s, u, m_to):
 
 @triton.jit
 def _tile_update_ent(m, s, u, z):
-    """One online step for (max, sum exp(z - max), sum (z - max) exp(z - max))."""
+    """One online step for (max, sum exp(z - max), sum (z - max) exp(z - max)) over a 1-D
+    tile z (scalar partials)."""
     m_new = tl.maximum(m, tl.max(z, axis=0))
     ms = safe_max(m_new)
     s, u = _rescale(m, s, u, ms)
@@ -53,7 +54,7 @@ def _tile_update_ent(m, s, u, z):
 
 @triton.jit
 def _red_tile(m, s, u, ptr, offs, mask, inv_temp, HAS_ENTROPY: tl.constexpr):
-    """Folds the tile at ptr + offs (masked lanes -inf) into the partials (m, s, u)."""
+    """Folds the 1-D tile at ptr + offs (masked lanes -inf) into the partials (m, s, u)."""
     z, _ = load_tile(ptr, offs, mask, inv_temp, 1.0, False)
     if HAS_ENTROPY:
         m, s, u = _tile_update_ent(m, s, u, z)
@@ -63,11 +64,39 @@ def _red_tile(m, s, u, ptr, offs, mask, inv_temp, HAS_ENTROPY: tl.constexpr):
 
 
 @triton.jit
+def _red_thread_tile(m, s, u, ptr, offs, mask, inv_temp, HAS_ENTROPY: tl.constexpr):
+    """Folds a [T, VEC] tile (each row one thread's 16-byte vector; masked lanes -inf) into
+    per-thread partials (m, s, u) of shape [T]: no block reduction, no barrier."""
+    z, _ = load_tile(ptr, offs, mask, inv_temp, 1.0, False)
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    ms = safe_max(m_new)
+    d = z - ms[:, None]
+    e = tl.exp(d)
+    if HAS_ENTROPY:
+        s, u = _rescale(m, s, u, ms)
+        u += tl.sum(tl.where(e > 0.0, d, 0.0) * e, axis=1)
+    else:
+        s = s * tl.exp(m - ms)
+    return m_new, s + tl.sum(e, axis=1), u
+
+
+@triton.jit
+def _merge_partials(m_i, s_i, u_i):
+    """Merges a vector of partials (m, s, u) (identity (-inf, 0, 0)) into one."""
+    m = tl.max(m_i, axis=0)
+    s_i, u_i = _rescale(m_i, s_i, u_i, safe_max(m))
+    return m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0)
+
+
+@triton.jit
 def _red_slice_stats(x_ptr, row_off, label, start, stop, inv_temp, BLOCK_V: tl.constexpr,
                      ALIGN: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
     """Partials (m, s, u, z[label] if label in [start, stop) else 0) of one slice of the row at
-    x_ptr + row_off (_online's aligned tile walk)."""
+    x_ptr + row_off (_online's aligned tile walk): the edge tile with scalar partials, the span
+    as [BLOCK_V / VEC, VEC] tiles with per-thread partials (as _ce_core.slice_stats THREAD)
+    merged once at the end."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    T: tl.constexpr = BLOCK_V // VEC
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     u = tl.zeros([], tl.float32)
@@ -76,10 +105,16 @@ def _red_slice_stats(x_ptr, row_off, label, start, stop, inv_temp, BLOCK_V: tl.c
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
         m, s, u = _red_tile(m, s, u, row_ptr, cols, mask, inv_temp, HAS_ENTROPY)
+    first = tl.arange(0, T) == 0  # the edge tile's partials in thread row 0
+    m = tl.where(first, m, float("-inf"))
+    s = tl.where(first, s, 0.0)
+    u = tl.where(first, u, 0.0)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
+    rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     for k in range(k0, k1, BLOCK_V):
-        t = k + tl.arange(0, BLOCK_V)
-        m, s, u = _red_tile(m, s, u, base, t, t < k1, inv_temp, HAS_ENTROPY)
+        t = k + rr
+        m, s, u = _red_thread_tile(m, s, u, base, t, t < k1, inv_temp, HAS_ENTROPY)
+    m, s, u = _merge_partials(m, s, u)
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         in_slice = (label >= start) & (label < stop)
@@ -162,17 +197,15 @@ def red_merge_kernel(
     """Split path, grid (N,): merges a row's NUM_SPLITS partials and finishes the row."""
     row = tl.program_id(0).to(tl.int64)
     base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (m, s, u, z[y])
-    m_i = load_field(base, valid, 0, True)
-    m = tl.max(m_i, axis=0)
-    s_i, u_i = _rescale(m_i, load_field(base, valid, 1, False), load_field(base, valid, 2, False),
-                        safe_max(m))
+    m, s, u = _merge_partials(load_field(base, valid, 0, True),
+                              load_field(base, valid, 1, False), load_field(base, valid, 2, False))
     label = -1
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         label = tl.load(labels_ptr + row).to(tl.int32)
         zy = tl.sum(load_field(base, valid, 3, False), axis=0)
-    _red_finish(row, m, tl.sum(s_i, axis=0), tl.sum(u_i, axis=0), zy, label, V, lse_ptr, ent_ptr,
-                logp_ptr, lo_ptr, HAS_ENTROPY, HAS_LABEL)
+    _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
+                HAS_LABEL)
 
 
 @triton.jit
