@@ -1,9 +1,11 @@
 """GPU kernel time per call of jax_fusedloss's forward ops at few rows, read from CUPTI.
 
 `benchmarks.run` times JAX callables with the host clock, which at N <= 64 measures JAX's
-dispatch more than the GPU. This tool records the device activity of the same jitted calls
-with the PyTorch profiler (CUPTI sees every kernel in the process, JAX's included) and writes
-the sum of kernel durations per call, per kernel, to a CSV:
+dispatch more than the GPU. `--grad` times value_and_grad of the op's mean instead (which
+kernels a training step runs, and how long each takes). This tool records the device
+activity of the same jitted calls with the PyTorch profiler (CUPTI sees every kernel in the
+process, JAX's included) and writes the sum of kernel durations per call, per kernel, to a
+CSV:
 
     source .whl/gpu-env.sh && python3 -m benchmarks.kernel_time --out $OUT/kernel_time.csv
 """
@@ -47,13 +49,21 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--ns", default="1,8,64")
     parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--grad", action="store_true",
+                        help="time value_and_grad of the op's mean instead of the op")
     args = parser.parse_args(argv)
     device = torch.cuda.get_device_name()
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     with open(args.out, "w", newline="") as fh:
         writer = csv.writer(fh)
         writer.writerow(["op", "n", "v", "dtype", "kernel_us", "kernels", "device", "date"])
-        for op, fn in OPS.items():
+        for op in args.ops.split(","):
+            fn = OPS[op]
+            if args.grad:
+                fn = (lambda f: lambda x, y: jax.value_and_grad(
+                    lambda x: f(x, y).astype(jnp.float32).mean())(x))(fn)
+                op += "_fwd_bwd"
             for n in map(int, args.ns.split(",")):
                 x = jax.random.normal(jax.random.key(n), (n, args.vocab), jnp.bfloat16)
                 y = jax.random.randint(jax.random.key(n + 1), (n,), 0, args.vocab)

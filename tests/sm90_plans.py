@@ -3,7 +3,7 @@
 Each family's plan function runs over a grid of shapes (the row path at N=8192, the split
 path at N=8, an aligned and an unaligned vocabulary), dtypes and option sets; every distinct
 launch becomes one compile: (kernel, signature, constexprs, warps). Each unaligned compile
-has an aligned twin (same tiles at V=128256 and V=50257), against which sm90_compile checks
+has an aligned twin (same tiles at V=128256 or 32000 and V=50257), against which sm90_compile checks
 its 16-byte vector loads and stores. A signature maps the
 kernel's parameters to types: pointers from the dtypes of the arrays a launch reads or writes,
 Python ints to i32 and floats to fp32, as both executors pass them.
@@ -28,6 +28,9 @@ CASES = tuple((dt, shape) for dt in DTYPES for shape in SHAPES[:2]) + tuple(
 KD_CASES = tuple((dt, shape) for dt in DTYPES for shape in SHAPES[:2]) + tuple(
     ("bf16", shape) for shape in SHAPES[2:])
 TYPES = {"float32": "fp32", "int32": "i32"}
+# The fused forward + gradient prefetches from V = launch.PREFETCH_MIN_VOCAB: its unaligned
+# compiles (V=50257, no prefetch) get their aligned twins from a short aligned row.
+SHORT_ROWS = (8192, 32000)
 
 
 def _specs(plan, dt: str, inputs: dict[str, str]):
@@ -57,6 +60,9 @@ def _ce():
         yield from _specs(ce.ce_partials_plan(n, v, softcap=opts["softcap"],
                                               smoothing=opts["smoothing"], num_sms=SMS),
                           dt, dict(y=i32))
+        if (n, v) == SHAPES[2]:
+            yield from _specs(ce.ce_fwd_plan(*SHORT_ROWS, num_sms=SMS, write_grad=True, **opts),
+                              dt, dict(y=i32, row_scale=f32))
     for dt, (n, v) in CASES:
         yield from _specs(ce.scale_rows_plan(n, v, 4 if dt == "fp32" else 2), dt,
                           dict(grad=f"*{dt}", cot="*fp32"))
@@ -82,6 +88,10 @@ def _kd():
         yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
                                          distill=distill, ignore_index=-100, num_sms=SMS,
                                          write_grad=write_grad, **extra), dt, types)
+        if (n, v) == SHAPES[2] and write_grad:
+            yield from _specs(kd.kd_fwd_plan(*SHORT_ROWS, 64, temperature=t, normalize=normalize,
+                                             distill=distill, ignore_index=-100, num_sms=SMS,
+                                             write_grad=True, **extra), dt, types)
     for k in (1, 128):
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,
