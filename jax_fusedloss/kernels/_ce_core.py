@@ -65,8 +65,8 @@ def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.con
 def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
                 HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
                 EVICTION: tl.constexpr, MASKED: tl.constexpr):
-    """Folds the 1-D tile at ptr + offs (masked lanes -inf) into slice_stats' scalar (m, s,
-    s_kd, sum z)."""
+    """Folds the 1-D tile at ptr + offs (masked lanes -inf) into scalar (m, s, s_kd, sum z):
+    slice_stats' edge tile."""
     z, _ = load_z(ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
     m_new = tl.maximum(m, tl.max(z, axis=0))
     ms = safe_max(m_new)
@@ -109,7 +109,7 @@ def _thread_fold(m, s, s_kd, sumz, x, mask, softcap, c_kd, HAS_SOFTCAP: tl.const
 def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                 CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr,
-                THREAD: tl.constexpr, PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr):
     """Statistics of z over [start, stop) of the row at x_ptr + row_off in one online walk
     (_online's aligned tile walk): (m, s, s_kd, sum z, z[label]).
 
@@ -120,15 +120,15 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per
     element; z - m is shared.
 
-    THREAD (the row kernels of both families): the span is walked as [BLOCK_V / VEC, VEC]
+    The edge tile (odd V) is folded with scalar statistics, the span as [BLOCK_V / VEC, VEC]
     tiles with per-thread statistics merged once at the end (_thread_fold: no block reduction
     or barrier per tile), whole tiles unmasked; with PREFETCH and 16-bit logits the next whole
     tile's load is issued before this tile's arithmetic (twice the bytes in flight; the launch
-    heuristic turns it on for long rows, launch.PREFETCH_MIN_VOCAB). H100, bf16, N=8192, the
-    fused forward + gradient alone: V=128256 1.79 ms with per-lane sums and a block max per
-    tile, 1.79 per-thread, 1.56 per-thread with the prefetch; V=32000 0.50 -> 0.35 ms
-    per-thread (benchmarks/results/ce_thread_h100.txt, ce_library_h100.txt). Without THREAD
-    (the split path's partial kernels) one masked loop with scalar statistics.
+    heuristic turns it on for the fused forward + gradient over long rows,
+    launch.PREFETCH_MIN_VOCAB). H100, bf16, N=8192, the fused forward + gradient alone:
+    V=128256 1.79 ms with per-lane sums and a block max per tile, 1.79 per-thread, 1.56
+    per-thread with the prefetch; V=32000 0.50 -> 0.35 ms per-thread
+    (benchmarks/results/ce_thread_h100.txt, ce_library_h100.txt).
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E
@@ -144,48 +144,41 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
                                        HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION,
                                        True)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
-    if THREAD:  # per-thread statistics, the edge tile's scalars in thread row 0
-        T: tl.constexpr = BLOCK_V // VEC
-        rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-        first = tl.arange(0, T) == 0
-        m = tl.where(first, m, float("-inf"))
-        s = tl.where(first, s, 0.0)
-        s_kd = tl.where(first, s_kd, 0.0)
-        sumz = tl.where(first, sumz, 0.0)
-        n_full = (k1 - k0) // BLOCK_V
-        # 16-bit logits only: with float32 tiles (twice the bytes per tile) the prefetch was
-        # slower on H100 (3.99 vs 3.58 ms at V=128256) or no faster
-        if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
-            x_next = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, EVICTION, True)
-            for i in range(0, n_full):
-                x = x_next
-                x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
-                                  rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
-                m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
-                                                HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                                False)
-        else:
-            for i in range(0, n_full):
-                x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
-                m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
-                                                HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                                False)
-        for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
-            t = k + rr
-            x = load_raw(base, t, t < k1, EVICTION, True)
-            m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, t < k1, softcap, c_kd,
-                                            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, True)
-        m_t = m
-        m, s = merge_stats(m_t, s)
-        if KD_STATS:
-            s_kd = merge_scaled(m_t, s_kd, m, kd_scale)
-        sumz = tl.sum(sumz, axis=0)
+    T: tl.constexpr = BLOCK_V // VEC  # per-thread statistics, the edge tile's in thread row 0
+    rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    first = tl.arange(0, T) == 0
+    m = tl.where(first, m, float("-inf"))
+    s = tl.where(first, s, 0.0)
+    s_kd = tl.where(first, s_kd, 0.0)
+    sumz = tl.where(first, sumz, 0.0)
+    n_full = (k1 - k0) // BLOCK_V
+    # 16-bit logits only: with float32 tiles (twice the bytes per tile) the prefetch was
+    # slower on H100 (3.99 vs 3.58 ms at V=128256) or no faster
+    if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
+        x_next = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, EVICTION, True)
+        for i in range(0, n_full):
+            x = x_next
+            x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
+                              rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
+            m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
+                                            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                            False)
     else:
-        for k in range(k0, k1, BLOCK_V):
-            t = k + tl.arange(0, BLOCK_V)
-            m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, base, t, t < k1, softcap, c_kd,
-                                           HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
-                                           EVICTION, True)
+        for i in range(0, n_full):
+            x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
+            m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
+                                            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                            False)
+    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+        t = k + rr
+        x = load_raw(base, t, t < k1, EVICTION, True)
+        m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, t < k1, softcap, c_kd,
+                                        HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, True)
+    m_t = m
+    m, s = merge_stats(m_t, s)
+    if KD_STATS:
+        s_kd = merge_scaled(m_t, s_kd, m, kd_scale)
+    sumz = tl.sum(sumz, axis=0)
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_z(row_ptr, tl.where(in_slice, label, start), in_slice, softcap, HAS_SOFTCAP, "",
                    True)

@@ -140,7 +140,7 @@ def ce_fwd_kernel(
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, 0, V, softcap, 1.0,
                                     BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
-                                    "evict_last" if WRITE_GRAD else "", True, PREFETCH)
+                                    "evict_last" if WRITE_GRAD else "", PREFETCH)
     lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr,
                                                 V, ignore_index, smoothing, z_loss, loss_ptr,
                                                 lse_ptr, coef_ptr, HAS_SMOOTHING, HAS_ZLOSS)
@@ -172,7 +172,7 @@ def ce_partial_kernel(
     label = tl.load(labels_ptr + row).to(tl.int32)
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, start, stop, softcap,
                                     1.0, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
-                                    "", False, False)
+                                    "", False)
     out = part_ptr + (row * num_splits + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)

@@ -254,7 +254,7 @@ def kd_fwd_kernel(
         m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
                                           inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
                                           DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
-                                          True, PREFETCH)
+                                          PREFETCH)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
@@ -339,7 +339,7 @@ def kd_partial_kernel(
     m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, start,
                                       tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
                                       BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
-                                      KD_STATS, "", False, False)
+                                      KD_STATS, "", False)
     out = part_ptr + (row * tl.num_programs(1) + split) * 4
     tl.store(out, m)
     tl.store(out + 1, s)
