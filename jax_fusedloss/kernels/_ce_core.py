@@ -178,6 +178,8 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     m, s = merge_stats(m_t, s)
     if KD_STATS:
         s_kd = merge_scaled(m_t, s_kd, m, kd_scale)
+    else:
+        s_kd = tl.sum(s_kd, axis=0)  # 0, as a scalar
     sumz = tl.sum(sumz, axis=0)
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_z(row_ptr, tl.where(in_slice, label, start), in_slice, softcap, HAS_SOFTCAP, "",
