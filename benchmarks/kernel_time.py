@@ -23,10 +23,10 @@ from torch.profiler import ProfilerActivity, profile
 import jax_fusedloss
 
 OPS = {
-    "logsumexp": lambda x, y: jax_fusedloss.logsumexp(x),
-    "entropy": lambda x, y: jax_fusedloss.entropy(x),
-    "token_logprobs": lambda x, y: jax_fusedloss.token_logprobs(x, y),
-    "cross_entropy": lambda x, y: jax_fusedloss.cross_entropy(x, y),
+    "logsumexp": lambda x, y, **kw: jax_fusedloss.logsumexp(x, **kw),
+    "entropy": lambda x, y, **kw: jax_fusedloss.entropy(x, **kw),
+    "token_logprobs": lambda x, y, **kw: jax_fusedloss.token_logprobs(x, y, **kw),
+    "cross_entropy": lambda x, y, **kw: jax_fusedloss.cross_entropy(x, y, **kw),
 }
 
 
@@ -50,6 +50,7 @@ def main(argv=None) -> None:
     parser.add_argument("--ns", default="1,8,64")
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--impl", default=None, help="implementation= (default: None, auto)")
     parser.add_argument("--grad", action="store_true",
                         help="time value_and_grad of the op's mean instead of the op")
     args = parser.parse_args(argv)
@@ -59,7 +60,8 @@ def main(argv=None) -> None:
         writer = csv.writer(fh)
         writer.writerow(["op", "n", "v", "dtype", "kernel_us", "kernels", "device", "date"])
         for op in args.ops.split(","):
-            fn = OPS[op]
+            kw = {"implementation": args.impl} if args.impl else {}
+            fn = (lambda f: lambda x, y: f(x, y, **kw))(OPS[op])
             if args.grad:
                 fn = (lambda f: lambda x, y: jax.value_and_grad(
                     lambda x: f(x, y).astype(jnp.float32).mean())(x))(fn)
