@@ -74,6 +74,7 @@ class RowOp:
     opts: Any
 
     num_aux = 0  # how many arrays follow the logits in the op's call (labels, ...)
+    auto_family = "loss"  # its row in kernels.launch.AUTO_XLA_MAX_ROWS
 
     def _replace(self, implementation: str) -> "RowOp":
         """This op with `opts.implementation` set (what `_common.dispatch_op` calls)."""
@@ -156,7 +157,7 @@ def apply(op: RowOp, implementation: str | None, x: jax.Array, *aux):
     if implementation is None and _triton_jax.on_cuda_gpu():
         from jax_fusedloss.kernels import launch
 
-        if launch.auto_prefers_xla(x.shape[0], x.shape[-1]):
+        if launch.auto_prefers_xla(x.shape[0], x.shape[-1], op.auto_family):
             implementation = "xla"  # measured faster for few rows (launch.AUTO_XLA_MAX_ROWS)
     return _common.dispatch_op(lambda *args: _apply(args[-1], *args[:-1]), implementation, x,
                                *aux, opts=op)

@@ -128,6 +128,7 @@ class _Reductions(_op.RowOp):
     gradient in the forward: the backward is one pass combining every output's cotangent."""
     opts: RedOptions
     has_label: bool = False
+    auto_family = "reductions"
 
     @property
     def num_aux(self) -> int:

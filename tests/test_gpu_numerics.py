@@ -67,11 +67,12 @@ def test_gradients_at_large_offsets(offset, n):
 
 
 def test_auto_dispatch_few_rows_is_xla_and_equal():
-    """implementation=None at N <= AUTO_XLA_MAX_ROWS runs the XLA twin (no Triton custom call
-    in the compiled program) and gives the Triton path's values and gradients."""
+    """implementation=None at N <= AUTO_XLA_MAX_ROWS["loss"] runs the XLA twin (no Triton
+    custom call in the compiled program) and gives the Triton path's values and gradients; the
+    reductions switch to Triton above their own (smaller) row count."""
     from jax_fusedloss.kernels import launch
 
-    n = launch.AUTO_XLA_MAX_ROWS
+    n = launch.AUTO_XLA_MAX_ROWS["loss"]
     x = jax.random.normal(jax.random.key(4), (n, V), jnp.bfloat16)
     y = jax.random.randint(jax.random.key(5), (n,), 0, V)
     auto = jax.jit(jax.value_and_grad(lambda a: jfl.cross_entropy(a, y)))
@@ -80,6 +81,10 @@ def test_auto_dispatch_few_rows_is_xla_and_equal():
     big = jax.jit(lambda a: jfl.cross_entropy(a, jnp.zeros((4 * n,), jnp.int32)))
     assert "triton_kernel_call" in big.lower(jnp.zeros((4 * n, V), jnp.bfloat16)).compile(
     ).as_text()
+    few = launch.AUTO_XLA_MAX_ROWS["reductions"]
+    for rows, triton in ((few, False), (few + 1, True)):
+        lse = jax.jit(jfl.logsumexp).lower(jnp.zeros((rows, V), jnp.bfloat16)).compile()
+        assert ("triton_kernel_call" in lse.as_text()) == triton, rows
     loss, grad = auto(x)
     loss_t, grad_t = jax.value_and_grad(lambda a: jfl.cross_entropy(
         a, y, implementation="triton"))(x)

@@ -32,22 +32,29 @@ GRAD_TILE_ELEMS = 16384
 PREFETCH_MIN_VOCAB = 65536
 
 
-# implementation=None on a CUDA GPU: up to this many rows XLA's own whole-row formula (the XLA
-# twin's few-row shortcut) is as fast or faster end to end than our kernels, because each
-# jax-triton call is a custom call launched outside XLA's command buffers (CUDA graphs) while
-# XLA's kernels run inside them. Per call inside one jitted program of 24 calls, H100, bf16,
-# V=128256, us, Triton vs XLA (benchmarks/results/fewrows_h100.csv, `benchmarks.fewrows`):
-#   N               1      8      16     32     64     128
-#   logsumexp     27/23  29/20  32/29  32/25  28/28  30/41
-#   cross_entropy 43/22  40/25  56/25  35/30  55/35  37/46
-#   its gradient  37/18  30/23  29/28  48/35  53/54  65/72
-# (CUPTI kernel time of our path is 3-13 us of that: the rest is launch cost.)
-AUTO_XLA_MAX_ROWS = 64
+# implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin is as
+# fast or faster end to end than our kernels, because each jax-triton call is a custom call
+# launched outside XLA's command buffers (CUDA graphs) while XLA's kernels run inside them.
+# Per call inside one jitted program of 64 calls, H100, bf16, V=128256, us, Triton / XLA twin
+# (`benchmarks.fewrows`, benchmarks/results/fewrows_h100_2026-11-24.csv, at 16a598b/59185fe):
+#   N                     1      8      16     32     64     128
+#   logsumexp           25/17  17/19  21/22  21/24  23/29  30/38
+#   token_logprobs      22/17  26/21  19/25  22/28  29/34  31/47
+#   cross_entropy       49/20  51/24  52/23  54/29  49/37  52/45
+#   cross_entropy grad  39/27  45/29  46/31  31/38  45/57  63/76
+# (CUPTI kernel time of our path is 3-13 us of that: the rest is launch cost; cross_entropy's
+# forward adds XLA kernels around its two custom calls.) The reductions switch to Triton from
+# 16 rows; the losses keep XLA through 64 rows, where their forward alone is still 1.3x faster
+# on XLA although the gradient is 1.25x slower (a call cannot know whether it is
+# differentiated when it dispatches).
+AUTO_XLA_MAX_ROWS = {"loss": 64, "reductions": 8}
 
 
-def auto_prefers_xla(n_rows: int, vocab: int) -> bool:
-    """Whether implementation=None should run the XLA twin rather than Triton on a GPU."""
-    return n_rows <= AUTO_XLA_MAX_ROWS
+def auto_prefers_xla(n_rows: int, vocab: int, family: str = "loss") -> bool:
+    """Whether implementation=None should run the XLA twin rather than Triton on a GPU, for an
+    op of `family` ("loss": cross_entropy, kd_loss, distill_loss; "reductions": logsumexp,
+    entropy, token_logprobs)."""
+    return n_rows <= AUTO_XLA_MAX_ROWS[family]
 
 
 class RowConfig(NamedTuple):
