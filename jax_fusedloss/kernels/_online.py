@@ -13,16 +13,10 @@ def load_tile(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr)
     """Loads a tile and returns (z, dz/dx) in float32; masked lanes get z = -inf.
 
     z = softcap * tanh(x * inv_temp / softcap) when HAS_SOFTCAP (accurate for every softcap
-    > 0, see tanh_and_grad), else x * inv_temp.
+    > 0, see tanh_and_grad), else x * inv_temp. (Without a temperature, _ce_core.load_z saves
+    the multiply.)
     """
-    return load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP, "")
-
-
-@triton.jit
-def load_tile_hint(row_ptr, cols, mask, inv_temp, softcap, HAS_SOFTCAP: tl.constexpr,
-                   EVICTION: tl.constexpr):
-    """load_tile with an L2 eviction hint ("", "evict_last" or "evict_first")."""
-    x = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICTION)
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0)
     # The product rounded on its own (an explicit fma with 0): left as a multiply, the GPU
     # compiler contracts it with a later `z - max` into one fma, so z - max at a row's largest
     # entry would not be exactly 0 (a V=1 row's softmax not exactly 1; the interpreter, which

@@ -26,12 +26,11 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state,
+from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state, load_z,
                                             merge_scaled, scaled_lse, slice_stats)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
-                                           load_partials, load_tile, load_tile_hint, lse_parts,
-                                           merge_stats, poison_inf, safe_max, span_ptr,
-                                           vector_span)
+                                           load_partials, lse_parts, merge_stats, poison_inf,
+                                           safe_max, span_ptr, vector_span)
 from jax_fusedloss.kernels.launch import merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
@@ -70,7 +69,7 @@ def _entries(ids_ptr, lp_ptr, row, V, K, active, kk):
 @triton.jit
 def _gather(x_row, ids, valid, softcap, HAS_SOFTCAP: tl.constexpr):
     """(z[ids], dz/dx there) in float32 (z = 0 at invalid lanes, which are not read)."""
-    z, dz = load_tile(x_row, tl.where(valid, ids, 0), valid, 1.0, softcap, HAS_SOFTCAP)
+    z, dz = load_z(x_row, tl.where(valid, ids, 0), valid, softcap, HAS_SOFTCAP, "", True)
     return tl.where(valid, z, 0.0), dz
 
 
@@ -124,16 +123,21 @@ def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
 @triton.jit
 def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
                 EVICTION: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
     """Writes the dense gradient of one tile (x at x_ptr + offs, gradient at g_ptr + offs):
-    zeros without a load when there is none ("topk" kd_loss)."""
+    zeros without a load when there is none ("topk" kd_loss). MASKED=False: a tile wholly
+    inside the row, loaded and stored without a mask."""
     if DISTILL or KD_STATS:
-        z, dz = load_tile_hint(x_ptr, offs, mask, 1.0, softcap, HAS_SOFTCAP, EVICTION)
+        z, dz = load_z(x_ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
         g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
                          HAS_SOFTCAP, HAS_SMOOTHING)
     else:
         g = tl.zeros(offs.shape, tl.float32)
-    tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICTION)
+    if MASKED:
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), mask=mask,
+                 eviction_policy=EVICTION)
+    else:
+        tl.store(g_ptr + offs, g.to(g_ptr.dtype.element_ty), eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -149,8 +153,9 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
 
     1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile (_online's
        aligned tile walk: the edge tile first, then the vector span), walking backwards (the
-       tiles the statistics pass read last are the likeliest to be in L2); zeros without a
-       load when there is none ("topk" kd_loss).
+       tiles the statistics pass read last are the likeliest to be in L2: the partial last
+       tile, then whole tiles without masks); zeros without a load when there is none
+       ("topk" kd_loss).
     2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
        entries sharing an id sum their p (and, for "topk", count their q) through a
        [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
@@ -166,14 +171,18 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
         _dense_tile(x_row, grad_row_ptr, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp,
-                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
     xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
     gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
-    n_tiles = tl.cdiv(k1 - k0, BLOCK_V)
-    for i in range(0, n_tiles):
-        t = k0 + (n_tiles - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_full = (k1 - k0) // BLOCK_V
+    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+        t = k + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
+    for i in range(0, n_full):
+        t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
     tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
     ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
@@ -201,8 +210,7 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
-        zy, dzy = load_tile_hint(x_row, tl.where(own_y, y, 0), own_y, 1.0, softcap, HAS_SOFTCAP,
-                                 "")
+        zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "", True)
         gy = _dense_value(zy - r, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
                           KD_STATS, False, HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
@@ -292,8 +300,8 @@ def kd_fwd_kernel(
     c = 0.0
     if DISTILL:
         in_range = (label >= 0) & (label < V)
-        zy, _ = load_tile(x_row, tl.where(in_range, label, 0), in_range, 1.0, softcap,
-                          HAS_SOFTCAP)
+        zy, _ = load_z(x_row, tl.where(in_range, label, 0), in_range, softcap, HAS_SOFTCAP,
+                       "", True)
         ce, a, b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
                                     smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
                                     HAS_ZLOSS)
