@@ -5,7 +5,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python -m tests.sanitizer_check jax
 
 Shapes cover the row path and the split path (few rows), an odd vocabulary (5003, no vector
-alignment), a tile-sized one (4096), ignored and out-of-range labels and teacher ids, and
+alignment), a tile-sized one (4096), rows long enough for the fused pass's prefetch (65537, the
+row path), ignored and out-of-range labels and teacher ids, and
 both gradient routes (unit and non-unit cotangents). Prints "ok" at the end.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ def run_torch() -> None:
     import torch_ref
 
     dev = "cuda"
-    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000)):
+    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000), (264, 65537)):
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(n, v, device=dev) * 2).to(dtype).requires_grad_(True)
             y = torch.randint(0, v, (n,), device=dev)
@@ -51,7 +52,7 @@ def run_jax() -> None:
 
     import jax_fusedloss as jfl
 
-    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000)):
+    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000), (264, 65537)):
         for dtype in (jnp.bfloat16, jnp.float32):
             x = (jax.random.normal(jax.random.key(0), (n, v)) * 2).astype(dtype)
             y = jax.random.randint(jax.random.key(1), (n,), 0, v).at[0].set(-100)
