@@ -62,24 +62,28 @@ def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.con
 
 
 @triton.jit
-def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
-                HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
-                EVICTION: tl.constexpr, MASKED: tl.constexpr):
-    """Folds the 1-D tile at ptr + offs (masked lanes -inf) into scalar (m, s, s_kd, sum z):
-    slice_stats' edge tile."""
-    z, _ = load_z(ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
-    m_new = tl.maximum(m, tl.max(z, axis=0))
+def _fold(m, s, s_kd, sumz, z, mask, c_kd, HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr,
+          KD_STATS: tl.constexpr, MASKED: tl.constexpr, AXIS: tl.constexpr):
+    """One online-softmax step of slice_stats' (m, s, s_kd, sum z) over a tile z (float32,
+    -inf at masked lanes), reduced along AXIS: 0 for a 1-D tile into scalars, 1 for a
+    [T, VEC] tile whose rows are each one thread's 16-byte vector into per-thread statistics
+    of shape [T] (reductions that stay in a thread's registers: no block reduction and no
+    barrier per tile)."""
+    m_new = tl.maximum(m, tl.max(z, axis=AXIS))
     ms = safe_max(m_new)
-    d = z - ms
+    if AXIS == 1:
+        d = z - ms[:, None]
+    else:
+        d = z - ms
     if CE_STATS:
         # at most FLT_MAX: a sum that is 0 stays 0 when the max jumps to +inf
         alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
-        s = s * alpha + tl.sum(tl.exp(d), axis=0)
+        s = s * alpha + tl.sum(tl.exp(d), axis=AXIS)
     if KD_STATS:
         alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
-        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=0)
+        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=AXIS)
     if HAS_SMOOTHING:
-        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=0)
+        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=AXIS)
     return m_new, s, s_kd, sumz
 
 
@@ -87,22 +91,9 @@ def _stats_tile(m, s, s_kd, sumz, ptr, offs, mask, softcap, c_kd, HAS_SOFTCAP: t
 def _thread_fold(m, s, s_kd, sumz, x, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
                  HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
                  MASKED: tl.constexpr):
-    """Folds a [T, VEC] tile x of raw logits, each row one thread's 16-byte vector, into
-    per-thread statistics (m, s, s_kd, sum z) of shape [T]: reductions along axis 1 stay in a
-    thread's registers, so a tile costs no block reduction and no barrier."""
+    """_fold of a [T, VEC] tile x of raw logits into per-thread statistics."""
     z, _ = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
-    m_new = tl.maximum(m, tl.max(z, axis=1))
-    ms = safe_max(m_new)
-    d = z - ms[:, None]
-    if CE_STATS:
-        alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
-        s = s * alpha + tl.sum(tl.exp(d), axis=1)
-    if KD_STATS:
-        alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
-        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=1)
-    if HAS_SMOOTHING:
-        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=1)
-    return m_new, s, s_kd, sumz
+    return _fold(m, s, s_kd, sumz, z, mask, c_kd, HAS_SMOOTHING, CE_STATS, KD_STATS, MASKED, 1)
 
 
 @triton.jit
@@ -140,9 +131,9 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     k0, k1, lo = vector_span(row_off, start, stop, ALIGN, VEC)
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
-        m, s, s_kd, sumz = _stats_tile(m, s, s_kd, sumz, row_ptr, cols, mask, softcap, c_kd,
-                                       HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, EVICTION,
-                                       True)
+        z, _ = load_z(row_ptr, cols, mask, softcap, HAS_SOFTCAP, EVICTION, True)
+        m, s, s_kd, sumz = _fold(m, s, s_kd, sumz, z, mask, c_kd, HAS_SMOOTHING, CE_STATS,
+                                 KD_STATS, True, 0)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
     T: tl.constexpr = BLOCK_V // VEC  # per-thread statistics, the edge tile's in thread row 0
     rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
