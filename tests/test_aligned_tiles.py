@@ -165,7 +165,7 @@ def test_cross_entropy_strided_rows(vocab, sms, dtype):
 @pytest.mark.parametrize("smoothing,softcap,prefetch", [(0.0, None, True), (0.1, 5.0, True),
                                                         (0.0, None, False)])
 def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, monkeypatch):
-    """The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats THREAD,
+    """The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats,
     with and without the next tile prefetched, which applies to 16-bit logits) over many
     tiles: 64-element tiles instead of 16384, so a row holds one to eight whole tiles plus a
     partial one and, at odd V, an edge tile. Rows whose max sits in the last tile (every

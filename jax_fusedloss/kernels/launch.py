@@ -22,7 +22,7 @@ SPLIT_PROGRAMS_PER_SM = 8
 # 0.710 ms = copy floor; fp32 1.370 ms vs 1.351 best).
 FWD_TILE_ELEMS = 4096
 GRAD_TILE_ELEMS = 16384
-# The fused forward + gradient's statistics walk (_ce_core.slice_stats THREAD) prefetches the
+# The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats) prefetches the
 # next whole tile of 16-bit logits from this vocabulary up: H100, bf16, N=8192, that kernel
 # alone (benchmarks/results/ce_library_h100.txt), ms without / with the prefetch:
 #   V        32000        50257        128256       151936       256000

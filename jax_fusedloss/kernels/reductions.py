@@ -93,7 +93,7 @@ def _red_slice_stats(x_ptr, row_off, label, start, stop, inv_temp, BLOCK_V: tl.c
                      ALIGN: tl.constexpr, HAS_ENTROPY: tl.constexpr, HAS_LABEL: tl.constexpr):
     """Partials (m, s, u, z[label] if label in [start, stop) else 0) of one slice of the row at
     x_ptr + row_off (_online's aligned tile walk): the edge tile with scalar partials, the span
-    as [BLOCK_V / VEC, VEC] tiles with per-thread partials (as _ce_core.slice_stats THREAD)
+    as [BLOCK_V / VEC, VEC] tiles with per-thread partials (as _ce_core.slice_stats does)
     merged once at the end."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     T: tl.constexpr = BLOCK_V // VEC
