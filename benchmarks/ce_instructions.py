@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss.kernels._online import LOG2E, hint_multiple, lse_parts, safe_max
+from jax_fusedloss.kernels.launch import vocab_align
 
 
 @triton.jit
@@ -179,28 +180,26 @@ def ce_thread_kernel(x_ptr, y_ptr, V, loss_ptr, lse_ptr, grad_ptr, scale,
     tl.store(g_ptr + label, gy.to(g_ptr.dtype.element_ty))
 
 
+def _outputs(x):
+    """(loss, lse, grad) buffers of a prototype launch on logits x."""
+    loss = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    return loss, torch.empty_like(loss), torch.empty_like(x)
+
+
 def run_thread(x, y, block, gblock, warps, unroll=1, gunroll=1, prefetch=0):
-    n, v = x.shape
-    loss = torch.empty(n, device=x.device, dtype=torch.float32)
-    lse = torch.empty_like(loss)
-    g = torch.empty_like(x)
-    align = 16
-    while v % align:
-        align //= 2
-    ce_thread_kernel[(n,)](x, y, v, loss, lse, g, 1.0, BLOCK=block, R=16 // x.element_size(),
-                           GBLOCK=gblock, UNROLL=unroll, GUNROLL=gunroll, PREFETCH=prefetch,
-                           ALIGN=align, num_warps=warps)
+    v = x.shape[1]
+    loss, lse, g = _outputs(x)
+    ce_thread_kernel[(x.shape[0],)](x, y, v, loss, lse, g, 1.0, BLOCK=block,
+                                    R=16 // x.element_size(), GBLOCK=gblock, UNROLL=unroll,
+                                    GUNROLL=gunroll, PREFETCH=prefetch, ALIGN=vocab_align(v),
+                                    num_warps=warps)
     return loss, g
 
 
 def run(x, y, block, warps, lane, unmasked, fixup):
     n, v = x.shape
-    loss = torch.empty(n, device=x.device, dtype=torch.float32)
-    lse = torch.empty_like(loss)
-    g = torch.empty_like(x)
-    align = 16
-    while v % align:
-        align //= 2
+    loss, lse, g = _outputs(x)
+    align = vocab_align(v)
     ce_fast_kernel[(n,)](
         x,
         y,
@@ -289,7 +288,6 @@ def _thread_case(dt, v, full, n=8192):
 def run_library(x, y, block, warps, prefetch, write_grad=True):
     """The library's ce_fwd_kernel launched directly with a chosen tile, warps and PREFETCH."""
     from jax_fusedloss.kernels.cross_entropy import COEF_FIELDS, ce_fwd_kernel
-    from jax_fusedloss.kernels.launch import vocab_align
 
     n, v = x.shape
     loss = torch.empty(n, device=x.device, dtype=torch.float32)
