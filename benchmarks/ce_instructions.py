@@ -325,9 +325,62 @@ def main_library():
             torch.cuda.empty_cache()
 
 
+def run_split(x, y, splits, block, prefetch, polls=None):
+    """The library's ce_fwd_plan with each row split over `splits` programs of one launch
+    (ce_split_fused_kernel; 1 = ce_fwd_kernel), through torch_ref's plan executor."""
+    from jax_fusedloss.kernels import cross_entropy as ce
+    from jax_fusedloss.kernels import launch
+    from torch_ref import _launch
+
+    n, v = x.shape
+    saved = (launch.SPLIT_FUSED_MIN_VOCAB, launch.SPLIT_FUSED_SLICE, launch.GRAD_TILE_ELEMS,
+             launch.PREFETCH_MIN_VOCAB, launch.SPLIT_FUSED_POLLS)
+    launch.SPLIT_FUSED_MIN_VOCAB = 0 if splits > 1 else 10 ** 9
+    launch.SPLIT_FUSED_SLICE = v / splits
+    launch.GRAD_TILE_ELEMS = block
+    launch.PREFETCH_MIN_VOCAB = 0 if prefetch else 10 ** 9
+    if polls is not None:
+        launch.SPLIT_FUSED_POLLS = polls
+    try:
+        plan = ce.ce_fwd_plan(n, v, ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None,
+                              num_sms=132, write_grad=True)
+    finally:
+        (launch.SPLIT_FUSED_MIN_VOCAB, launch.SPLIT_FUSED_SLICE, launch.GRAD_TILE_ELEMS,
+         launch.PREFETCH_MIN_VOCAB, launch.SPLIT_FUSED_POLLS) = saved
+    got = plan.launches[0].constexprs.get("NUM_SPLITS", 1)
+    scale = torch.ones(n, device=x.device, dtype=torch.float32)
+
+    def fn():
+        loss, _, _, g = _launch.run_plan(plan, x=x, y=y, row_scale=scale)
+        return loss, g
+    return fn, got
+
+
+def main_split():
+    """--split: the one-launch split forward + gradient (ce_split_fused_kernel) over programs
+    per row, tiles and PREFETCH, against ce_fwd_kernel (splits=1) in the same run."""
+    for dt, v in ((torch.bfloat16, 128256), (torch.bfloat16, 256000), (torch.bfloat16, 151936),
+                  (torch.float32, 128256), (torch.bfloat16, 32000), (torch.bfloat16, 50257)):
+        x, y, ref_loss, ref_g, copy, prod = _setup(dt, v)
+        for splits in (1, 2, 3, 4, 6, 8):
+            for block, pf in ((16384, 1), (16384, 0), (8192, 1)):
+                if (dt == torch.float32 and pf) or (splits == 1 and block != 16384):
+                    continue
+                fn, got = run_split(x, y, splits, block, pf)
+                _measure(f"  split S={splits}({got}) B={block:5d} prefetch={pf}:", fn,
+                         ref_loss, ref_g, copy, prod)
+                if splits in (2, 4) and block == 16384 and pf == (dt != torch.float32):
+                    fn, got = run_split(x, y, splits, block, pf, polls=0)  # all abandon
+                    _measure(f"  split S={splits}({got}) B={block:5d} prefetch={pf} polls=0:",
+                             fn, ref_loss, ref_g, copy, prod)
+        torch.cuda.empty_cache()
+
+
 def main():
     import sys
 
+    if "--split" in sys.argv:
+        return main_split()
     if "--library" in sys.argv:
         return main_library()
     if "--thread" in sys.argv:

@@ -89,8 +89,10 @@ def _run(plan, stride: int, **tensors):
         inputs = [env[i] if isinstance(i, str) else
                   torch.zeros(i.shape, dtype=dtypes[i.dtype], device=x.device)
                   for i in step.inputs]
-        outs = [torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
-                for b in step.outputs]
+        aliased = {o: i for i, o in step.aliases}  # written in place: the input's storage
+        outs = [inputs[aliased[k]] if k in aliased else
+                torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
+                for k, b in enumerate(step.outputs)]
         extra = {"num_warps": step.num_warps} if x.is_cuda else {}
         step.kernel[step.grid](*inputs, *scalars, *outs, **extra, **step.constexprs)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
@@ -175,6 +177,35 @@ def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, 
 
     monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
     monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0 if prefetch else 10 ** 9)
+    plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"prefetch={prefetch}")
+    assert plan.launches[0].kernel is ce.ce_fwd_kernel
+    assert plan.launches[0].constexprs["BLOCK_V"] == 64
+    assert plan.launches[0].constexprs["PREFETCH"] == prefetch
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("vocab,splits", [(203, 2), (1031, 6)])
+@pytest.mark.parametrize("smoothing,softcap", [(0.0, None), (0.1, 5.0)])
+def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch):
+    """The one-launch split forward + gradient (ce_split_fused_kernel): each row's slices in
+    programs that exchange their statistics through row_exchange. The interpreter runs
+    programs one after another, so every program but a row's last abandons its slice and the
+    last writes the whole row's gradient (the GPU tests time out no program); the walk cases
+    of test_fused_walk_over_many_tiles, 64-element tiles, slices of 128 or 192 columns."""
+    from jax_fusedloss.kernels import launch
+
+    monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_MIN_VOCAB", 0)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE", 128)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_POLLS", 2)
+    plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"splits={splits}")
+    assert plan.launches[0].kernel is ce.ce_split_fused_kernel
+    assert plan.launches[0].constexprs["NUM_SPLITS"] == splits
+
+
+def _check_fused_walk(vocab, dtype, smoothing, softcap, what):
+    """Runs ce_fwd_plan's fused forward + gradient over six rows with a row stride of V + 16
+    (see test_fused_walk_over_many_tiles) and checks it against float64; returns the plan."""
     n, stride = 6, vocab + 16
     x, _ = _strided_logits(4, n, vocab, stride, dtype)
     x[1, -2] = 30.0  # the max in the last (partial) tile
@@ -190,8 +221,6 @@ def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, 
     scale = torch.linspace(0.5, 1.5, n, dtype=torch.float32, device=DEVICE)
     plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=smoothing, z_loss=0.0,
                           softcap=softcap, num_sms=1, write_grad=True)
-    assert plan.launches[0].constexprs["BLOCK_V"] == 64
-    assert plan.launches[0].constexprs["PREFETCH"] == prefetch
     loss, lse, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
     z, dz = x64, torch.ones_like(x64)
     if softcap is not None:
@@ -207,8 +236,9 @@ def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, 
     ref_loss = torch.where(kept.cpu() if not kept.is_cuda else kept, ref_loss, 0.0)
     w = (scale.to(x64) * kept.to(x64))[:, None]
     ref = w * (z.softmax(-1) - (1 - smoothing) * onehot - smoothing / vocab) * dz
-    what = f"V={vocab} {dtype} smoothing={smoothing} softcap={softcap} prefetch={prefetch}"
+    what = f"V={vocab} {dtype} smoothing={smoothing} softcap={softcap} {what}"
     assert_close(lse, ref_lse, rtol=2e-5, atol=2e-5, what=f"lse {what}")
     assert_close(loss, ref_loss, rtol=2e-5, atol=2e-5, what=f"loss {what}")
     tol = GRAD_TOL[dtype] * float(ref.abs().max())
     assert_close(grad, ref, rtol=GRAD_TOL[dtype], atol=tol, what=f"grad {what}")
+    return plan

@@ -15,8 +15,10 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels.launch import merge_block, row_config, scale_rows_constexprs
-from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
+from jax_fusedloss.kernels import launch
+from jax_fusedloss.kernels.launch import (fused_split_v, merge_block, row_config,
+                                          scale_rows_constexprs)
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, load_z, slice_stats
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats,
@@ -147,6 +149,96 @@ def ce_fwd_kernel(
     if WRITE_GRAD:
         _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label, lse, lse_lo, a, b,
                        c, 0, V, softcap, BLOCK_V, ALIGN, HAS_SOFTCAP, "evict_first")
+
+
+@triton.jit
+def row_exchange(sync_ptr, row, split, max_polls, NUM_SPLITS: tl.constexpr):
+    """The statistics exchange of a row split over NUM_SPLITS programs of one launch, after this
+    program stored its slice's partials: returns (complete, abandoned).
+
+    `sync_ptr[row]` (int32, zero before the launch) counts arrivals in bits 0-7 and holds an
+    abandon bit per split from bit 8. This program arrives with an acq_rel atomic add (the
+    release publishes its partials). The last to arrive sees every partial (its acquire) and
+    the abandon bits set so far (`abandoned`, a mask of splits; 0 for the others). Any other
+    program polls (acquire) until the count is complete; after `max_polls` polls it abandons with a
+    compare-and-swap that succeeds only while the count is incomplete, so either the last
+    program sees its bit and writes the gradient of that slice too, or the CAS fails because
+    the count completed. `complete` is False for an abandoned program (it writes nothing more).
+    No program ever waits unboundedly: correct without co-residency, and in Triton's
+    interpreter, which runs programs one after another (every program but a row's last
+    abandons there)."""
+    word = tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") + 1
+    last = (word & 255) == NUM_SPLITS
+    abandoned = tl.where(last, word >> 8, 0)
+    state = tl.where(last, 1, 0)  # 0 waiting, 1 complete, 2 abandoned
+    polls = 0
+    while state == 0:
+        if polls < max_polls:
+            word = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+            polls += 1
+        else:
+            prev = tl.atomic_cas(sync_ptr + row, word, word | (1 << (8 + split)), sem="acq_rel")
+            state = tl.where(prev == word, 2, 0)
+            word = prev
+        state = tl.where((state == 0) & ((word & 255) == NUM_SPLITS), 1, state)
+    return state == 1, abandoned
+
+
+@triton.jit
+def ce_split_fused_kernel(
+    # pointers
+    logits_ptr, labels_ptr, row_scale_ptr, sync_in_ptr,
+    # sizes, strides, options
+    V, stride_row, ignore_index, smoothing, z_loss, softcap, max_polls,
+    # outputs (sync aliases sync_in: zeros)
+    loss_ptr, lse_ptr, coef_ptr, grad_ptr, part_ptr, sync_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_V: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """Forward + unit-cotangent gradient in one launch with each row split over NUM_SPLITS
+    programs, grid (N * NUM_SPLITS,), a row's programs adjacent (they start together): each
+    walks its slice for the statistics (evict_last), stores them in part [N, NUM_SPLITS, 4]
+    (as ce_partial_kernel), exchanges them (row_exchange), merges and writes its slice's
+    gradient (evict_first, last tile first). The row re-read comes from L2 more often than in
+    ce_fwd_kernel's whole-row walk: between a column's two reads the GPU reads NUM_SPLITS
+    times fewer bytes. Outputs as ce_fwd_kernel with WRITE_GRAD."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    pid = tl.program_id(0)
+    row = (pid // NUM_SPLITS).to(tl.int64)
+    split = pid % NUM_SPLITS
+    start = split * SPLIT_V
+    stop = tl.minimum(start + SPLIT_V, V)
+    label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
+    m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, start, stop, softcap,
+                                    1.0, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
+                                    "evict_last", PREFETCH)
+    out = part_ptr + (row * NUM_SPLITS + split) * 4
+    tl.store(out, m)
+    tl.store(out + 1, s)
+    tl.store(out + 2, sumz)
+    tl.store(out + 3, zy)
+    complete, abandoned = row_exchange(sync_ptr, row, split, max_polls, NUM_SPLITS)
+    if complete:
+        idx = tl.arange(0, BLOCK_S)
+        base = part_ptr + (row * NUM_SPLITS + idx) * 4
+        valid = idx < NUM_SPLITS
+        m_i = tl.load(base, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        s_i = tl.load(base + 1, mask=valid, other=0.0, cache_modifier=".cg")
+        m, s = merge_stats(m_i, s_i)
+        sumz = tl.sum(tl.load(base + 2, mask=valid, other=0.0, cache_modifier=".cg"), axis=0)
+        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0, cache_modifier=".cg"), axis=0)
+        lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr,
+                                                    row_scale_ptr, V, ignore_index, smoothing,
+                                                    z_loss, loss_ptr, lse_ptr, coef_ptr,
+                                                    HAS_SMOOTHING, HAS_ZLOSS)
+        for j in range(NUM_SPLITS):  # this program's slice, and abandoned ones if it is last
+            if (j == split) | (((abandoned >> j) & 1) == 1):
+                _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label, lse,
+                               lse_lo, a, b, c, j * SPLIT_V, tl.minimum((j + 1) * SPLIT_V, V),
+                               softcap, BLOCK_V, ALIGN, HAS_SOFTCAP, "evict_first")
 
 
 @triton.jit
@@ -314,15 +406,24 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
             Buf("coef", (n, COEF_FIELDS.value), "float32"))
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
+    flags = dict(ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0, PREFETCH=cfg.prefetch,
+                 **_flags(softcap, smoothing))
+    scalars = (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0))
+    if cfg.num_splits == 1 and write_grad and cfg.fused_splits > 1:
+        splits = cfg.fused_splits
+        return Plan((Launch(
+            ce_split_fused_kernel, (n * splits,), ("x", "y", "row_scale", Zeros((n,), "int32")),
+            scalars + (launch.SPLIT_FUSED_POLLS,),
+            rows + (Buf("grad", (n, vocab), LOGITS), Buf("part", (n, splits, 4), "float32"),
+                    Buf("sync", (n,), "int32")), cfg.num_warps,
+            dict(NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
+                 SPLIT_V=fused_split_v(cfg, vocab), BLOCK_V=cfg.block_v, **flags),
+            aliases=((3, 5),) + alias),), results)
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
         return Plan((Launch(
-            ce_fwd_kernel, (n,), ("x", "y", "row_scale"),
-            (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0)),
-            rows + (grad,), cfg.num_warps,
-            dict(BLOCK_V=cfg.block_v, ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0,
-                 WRITE_GRAD=write_grad, PREFETCH=cfg.prefetch, **_flags(softcap, smoothing)),
-            aliases=alias),), results)
+            ce_fwd_kernel, (n,), ("x", "y", "row_scale"), scalars, rows + (grad,), cfg.num_warps,
+            dict(BLOCK_V=cfg.block_v, WRITE_GRAD=write_grad, **flags), aliases=alias),), results)
     part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
     merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
                    (vocab, ignore_index, smoothing, z_loss), rows, 1,

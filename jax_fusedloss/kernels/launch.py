@@ -30,6 +30,14 @@ GRAD_TILE_ELEMS = 16384
 # (copy of the logits 0.351 / 0.549 / 1.393 / 1.653 / 2.778 ms). Rows of one to three whole
 # tiles lose with it; between 50257 and 128256 nothing was measured.
 PREFETCH_MIN_VOCAB = 65536
+# The fused forward + gradient over many rows splits each row over programs of one launch that
+# exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) from this vocabulary
+# up, about SPLIT_FUSED_SLICE elements per program (at most 16 programs a row).
+SPLIT_FUSED_MIN_VOCAB = 10 ** 9
+SPLIT_FUSED_SLICE = 65536
+# Polls of a program waiting for its row's other programs before it hands its slice to the
+# row's last program (kernels/cross_entropy.row_exchange).
+SPLIT_FUSED_POLLS = 4096
 
 
 # implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin is as
@@ -64,6 +72,9 @@ class RowConfig(NamedTuple):
     split_v: int  # vocabulary slice per program, a multiple of block_v
     align: int  # largest power of two <= 16 dividing vocab: the ALIGN constexpr of hint_multiple
     prefetch: bool = False  # the PREFETCH constexpr of a fused row pass that writes the gradient
+    # programs per row of the one-launch split forward + gradient (slices of
+    # fused_split_v(config) columns); 1 = the whole row in one program
+    fused_splits: int = 1
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -75,8 +86,13 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
     """
     if n_rows >= PROGRAMS_PER_SM * num_sms:
         block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
-        return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
-                         vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB)
+        n_tiles = triton.cdiv(vocab, block_v)
+        fused = 1
+        if write_grad and vocab >= SPLIT_FUSED_MIN_VOCAB:
+            fused = triton.cdiv(vocab, triton.cdiv(n_tiles, min(
+                16, n_tiles, max(1, round(vocab / SPLIT_FUSED_SLICE)))) * block_v)
+        return RowConfig(block_v, num_warps, 1, n_tiles * block_v, vocab_align(vocab),
+                         write_grad and vocab >= PREFETCH_MIN_VOCAB, fused)
     # Few rows: split each row over programs; short latency-bound programs want small tiles.
     block_v, num_warps = _tile(vocab, FWD_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
@@ -84,6 +100,11 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
     split_v = triton.cdiv(n_tiles, splits) * block_v
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
                      vocab_align(vocab))
+
+
+def fused_split_v(cfg: RowConfig, vocab: int) -> int:
+    """Columns per program of a row split over cfg.fused_splits programs (whole tiles)."""
+    return triton.cdiv(triton.cdiv(vocab, cfg.block_v), cfg.fused_splits) * cfg.block_v
 
 
 def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
