@@ -358,20 +358,22 @@ def run_split(x, y, splits, block, prefetch, polls=None):
 
 def main_split():
     """--split: the one-launch split forward + gradient (ce_split_fused_kernel) over programs
-    per row, tiles, PREFETCH and polls (0: every program but a row's last hands its slice to
-    the last, which writes the whole row's gradient), against ce_fwd_kernel (splits=1) in the
-    same run."""
-    for dt, v in ((torch.float32, 128256), (torch.bfloat16, 256000), (torch.bfloat16, 151936),
-                  (torch.bfloat16, 128256)):
+    per row and tiles, against ce_fwd_kernel (splits=1) in the same run. (An earlier sweep
+    with polls=0, every program but a row's last handing its slice to the last, and with
+    16384-element tiles: benchmarks/results/ce_split_h100.txt.)"""
+    cases = ((torch.float32, 128256, (1, 4, 6, 8)), (torch.float32, 151936, (1, 4, 6, 8)),
+             (torch.float32, 256000, (1, 6, 8, 12)), (torch.float32, 50257, (1, 2, 3)),
+             (torch.bfloat16, 256000, (1, 4, 6, 8)), (torch.float32, 32000, (1, 2)))
+    for dt, v, split_list in cases:
         x, y, ref_loss, ref_g, copy, prod = _setup(dt, v)
-        pfs = (0,) if dt == torch.float32 else (1, 0)
-        for splits in (1, 2, 3, 4, 6, 8):
-            for block in (16384, 8192):
-                for pf in pfs:
-                    for polls in ((None,) if splits == 1 else (0, None)):
-                        fn, got = run_split(x, y, splits, block, pf, polls)
-                        _measure(f"  split S={splits}({got}) B={block:5d} prefetch={pf} "
-                                 f"polls={polls}:", fn, ref_loss, ref_g, copy, prod)
+        pf = int(dt != torch.float32)
+        for rep in range(2):
+            for splits in split_list:
+                for block in ((16384, 8192) if splits == 1 else (8192,)):
+                    fn, got = run_split(x, y, splits, block, pf)
+                    _measure(f"  split S={splits}({got}) B={block:5d} prefetch={pf} rep={rep}:",
+                             fn, ref_loss, ref_g, copy, prod)
+        del x, y, ref_loss, ref_g
         torch.cuda.empty_cache()
 
 
