@@ -326,27 +326,28 @@ def main_library():
 
 
 def run_split(x, y, splits, block, prefetch, polls=None):
-    """The library's ce_fwd_plan with each row split over `splits` programs of one launch
-    (ce_split_fused_kernel; 1 = ce_fwd_kernel), through torch_ref's plan executor."""
+    """The library's ce_fwd_plan with each row split over about `splits` programs of one
+    launch (ce_split_fused_kernel; 1 = ce_fwd_kernel) of `block`-element tiles, through
+    torch_ref's plan executor: (fn, the number of programs a row got)."""
     from jax_fusedloss.kernels import cross_entropy as ce
     from jax_fusedloss.kernels import launch
     from torch_ref import _launch
 
     n, v = x.shape
-    saved = (launch.SPLIT_FUSED_MIN_VOCAB, launch.SPLIT_FUSED_SLICE, launch.GRAD_TILE_ELEMS,
-             launch.PREFETCH_MIN_VOCAB, launch.SPLIT_FUSED_POLLS)
-    launch.SPLIT_FUSED_MIN_VOCAB = 0 if splits > 1 else 10 ** 9
-    launch.SPLIT_FUSED_SLICE = v / splits
-    launch.GRAD_TILE_ELEMS = block
-    launch.PREFETCH_MIN_VOCAB = 0 if prefetch else 10 ** 9
-    if polls is not None:
-        launch.SPLIT_FUSED_POLLS = polls
+    knobs = dict(SPLIT_FUSED_MIN_ROW_BYTES=0 if splits > 1 else 1 << 60,
+                 SPLIT_FUSED_SLICE_BYTES=triton.cdiv(triton.cdiv(v, block), splits) * block
+                 * x.element_size(), SPLIT_FUSED_TILE_ELEMS=block, GRAD_TILE_ELEMS=block,
+                 PREFETCH_MIN_VOCAB=0 if prefetch else 1 << 60,
+                 SPLIT_FUSED_POLLS=launch.SPLIT_FUSED_POLLS if polls is None else polls)
+    saved = {k: getattr(launch, k) for k in knobs}
+    for k, val in knobs.items():
+        setattr(launch, k, val)
     try:
         plan = ce.ce_fwd_plan(n, v, ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None,
-                              num_sms=132, write_grad=True)
+                              num_sms=132, write_grad=True, itemsize=x.element_size())
     finally:
-        (launch.SPLIT_FUSED_MIN_VOCAB, launch.SPLIT_FUSED_SLICE, launch.GRAD_TILE_ELEMS,
-         launch.PREFETCH_MIN_VOCAB, launch.SPLIT_FUSED_POLLS) = saved
+        for k, val in saved.items():
+            setattr(launch, k, val)
     got = plan.launches[0].constexprs.get("NUM_SPLITS", 1)
     scale = torch.ones(n, device=x.device, dtype=torch.float32)
 

@@ -43,7 +43,8 @@ def _plan_options(opts: CEOptions) -> dict:
 def _triton_rows_fwd(x, y, row_scale, opts: CEOptions, write_grad: bool):
     """Per-row (loss, lse, coef) and, if write_grad, the unit-cotangent gradient."""
     plan = functools.partial(_plans().ce_fwd_plan, write_grad=write_grad,
-                             in_place=write_grad and opts.in_place, **_plan_options(opts))
+                             itemsize=x.dtype.itemsize, in_place=write_grad and opts.in_place,
+                             **_plan_options(opts))
     return _triton_jax.run_rows(plan, ("x", "y", "row_scale"), x, y, row_scale)
 
 

@@ -31,6 +31,13 @@ TYPES = {"float32": "fp32", "int32": "i32"}
 # The fused forward + gradient prefetches from V = launch.PREFETCH_MIN_VOCAB: its unaligned
 # compiles (V=50257, no prefetch) get their aligned twins from a short aligned row.
 SHORT_ROWS = (8192, 32000)
+# The one-launch split forward + gradient runs for long rows only (launch.split_fused_config):
+# float32 at V=128256 (one of CASES) and an unaligned twin, bf16 at V=256000 and its twin.
+SPLIT_ROWS = (("fp32", (8192, 128255)), ("bf16", (8192, 256000)), ("bf16", (8192, 255999)))
+
+
+def _itemsize(dt: str) -> int:
+    return 4 if dt == "fp32" else 2
 
 
 def _specs(plan, dt: str, inputs: dict[str, str]):
@@ -53,7 +60,8 @@ def _ce():
                dict(ignore_index=-100, smoothing=0.1, z_loss=1e-4, softcap=30.0))
     for (dt, (n, v)), opts in itertools.product(CASES, options):
         for write_grad in (True, False):
-            yield from _specs(ce.ce_fwd_plan(n, v, num_sms=SMS, write_grad=write_grad, **opts),
+            yield from _specs(ce.ce_fwd_plan(n, v, num_sms=SMS, write_grad=write_grad,
+                                             itemsize=_itemsize(dt), **opts),
                               dt, dict(y=i32, row_scale=f32))
         yield from _specs(ce.ce_bwd_plan(n, v, softcap=opts["softcap"], num_sms=SMS), dt,
                           dict(y=i32, lse=f32, coef=f32))
@@ -61,10 +69,15 @@ def _ce():
                                               smoothing=opts["smoothing"], num_sms=SMS),
                           dt, dict(y=i32))
         if (n, v) == SHAPES[2]:
-            yield from _specs(ce.ce_fwd_plan(*SHORT_ROWS, num_sms=SMS, write_grad=True, **opts),
+            yield from _specs(ce.ce_fwd_plan(*SHORT_ROWS, num_sms=SMS, write_grad=True,
+                                             itemsize=_itemsize(dt), **opts),
                               dt, dict(y=i32, row_scale=f32))
+    for (dt, (n, v)), opts in itertools.product(SPLIT_ROWS, options):
+        yield from _specs(ce.ce_fwd_plan(n, v, num_sms=SMS, write_grad=True,
+                                         itemsize=_itemsize(dt), **opts),
+                          dt, dict(y=i32, row_scale=f32))
     for dt, (n, v) in CASES:
-        yield from _specs(ce.scale_rows_plan(n, v, 4 if dt == "fp32" else 2), dt,
+        yield from _specs(ce.scale_rows_plan(n, v, _itemsize(dt)), dt,
                           dict(grad=f"*{dt}", cot="*fp32"))
 
 

@@ -150,7 +150,7 @@ def test_cross_entropy_strided_rows(vocab, sms, dtype):
                       dtype=torch.int32).to(DEVICE)
     scale = torch.linspace(0.5, 1.5, n, dtype=torch.float32, device=DEVICE)
     plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None,
-                          num_sms=sms, write_grad=True)
+                          num_sms=sms, write_grad=True, itemsize=x.element_size())
     loss, _, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
     onehot = torch.nn.functional.one_hot(y.long(), vocab).to(x64)
     what = f"V={vocab} sms={sms} {dtype}"
@@ -191,16 +191,33 @@ def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch)
     programs that exchange their statistics through row_exchange. The interpreter runs
     programs one after another, so every program but a row's last abandons its slice and the
     last writes the whole row's gradient (the GPU tests time out no program); the walk cases
-    of test_fused_walk_over_many_tiles, 64-element tiles, slices of 128 or 192 columns."""
+    of test_fused_walk_over_many_tiles, 64-element tiles, slices of three tiles (192 columns)."""
     from jax_fusedloss.kernels import launch
 
-    monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
-    monkeypatch.setattr(launch, "SPLIT_FUSED_MIN_VOCAB", 0)
-    monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE", 128)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_TILE_ELEMS", 64)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_MIN_ROW_BYTES", 0)
+    monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE_BYTES", 192 * (2 if dtype == "bfloat16" else 4))
     monkeypatch.setattr(launch, "SPLIT_FUSED_POLLS", 2)
     plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"splits={splits}")
     assert plan.launches[0].kernel is ce.ce_split_fused_kernel
     assert plan.launches[0].constexprs["NUM_SPLITS"] == splits
+
+
+def test_split_fused_config_covers_rows():
+    """launch.split_fused_config: only many rows of long logits rows; whole tiles per slice,
+    at most SPLIT_FUSED_MAX_SPLITS slices a row, covering it with no empty slice."""
+    from jax_fusedloss.kernels import launch
+
+    assert launch.split_fused_config(263, 256000, 4, 132) is None  # few rows: split path
+    for itemsize in (2, 4):
+        for v in (50257, 114687, 114688, 128256, 131071, 256000, 256001, 10 ** 6, 2 ** 21):
+            cfg = launch.split_fused_config(8192, v, itemsize, 132)
+            if v * itemsize < launch.SPLIT_FUSED_MIN_ROW_BYTES:
+                assert cfg is None, (v, itemsize)
+                continue
+            assert cfg.split_v % cfg.block_v == 0, (v, itemsize, cfg)
+            assert 2 <= cfg.num_splits <= launch.SPLIT_FUSED_MAX_SPLITS, (v, itemsize, cfg)
+            assert (cfg.num_splits - 1) * cfg.split_v < v <= cfg.num_splits * cfg.split_v
 
 
 def _check_fused_walk(vocab, dtype, smoothing, softcap, what):
@@ -220,7 +237,8 @@ def _check_fused_walk(vocab, dtype, smoothing, softcap, what):
     y = y.to(DEVICE)
     scale = torch.linspace(0.5, 1.5, n, dtype=torch.float32, device=DEVICE)
     plan = ce.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=smoothing, z_loss=0.0,
-                          softcap=softcap, num_sms=1, write_grad=True)
+                          softcap=softcap, num_sms=1, write_grad=True,
+                          itemsize=x.element_size())
     loss, lse, _, grad = _run(plan, stride, x=x, y=y, row_scale=scale)
     z, dz = x64, torch.ones_like(x64)
     if softcap is not None:

@@ -64,10 +64,14 @@ def test_cross_framework_llama3_vocab(dtype, n, opts):
     assert_grad_close(xt.grad[rows].float().cpu(), rgrad.cpu(), dtype, what="torch_ref grad")
 
 
-def test_more_than_2_31_elements():
-    """N * V > 2^31: int64 row offsets; checks the last rows against float64."""
-    n, v = 16896, 128256
+@pytest.mark.parametrize("n,v", [(16896, 128256), (8448, 256000), (8448, 256001)])
+def test_more_than_2_31_elements(n, v):
+    """N * V > 2^31: int64 row offsets; checks the last rows against float64. At V=256000 the
+    gradient comes from the one-launch split kernel (rows of 500 KiB), aligned and not."""
+    from jax_fusedloss.kernels import launch
+
     assert n * v > 2**31
+    assert (launch.split_fused_config(n, v, 2, 132) is not None) == (v > 200000)
     x, y = _inputs(n, v, "bfloat16", seed=3)
     rows = torch.arange(n - 8, n, device=DEV)
     rloss, rgrad = _reference(x, y, rows)

@@ -279,13 +279,14 @@ def test_in_place_plans_alias_the_logits():
 
     opts = dict(ignore_index=-100, smoothing=0.0, z_loss=0.0, softcap=None)
     for sms, alias in ((1, ((0, 3),)), (64, ((0, 0),))):  # rows, split
-        plan = k.ce_fwd_plan(8, 40000, num_sms=sms, write_grad=True, in_place=True, **opts)
+        plan = k.ce_fwd_plan(8, 40000, num_sms=sms, write_grad=True, in_place=True, itemsize=2,
+                             **opts)
         assert [step.aliases for step in plan.launches] == [()] * (len(plan.launches) - 1) + [
             alias], f"num_sms={sms}"
         gradient = plan.launches[-1]
         assert gradient.inputs[0] == "x" and gradient.outputs[alias[0][1]].name == "grad"
         for off in (dict(write_grad=True), dict(write_grad=False, in_place=True)):
-            plan = k.ce_fwd_plan(8, 40000, num_sms=sms, **opts, **off)
+            plan = k.ce_fwd_plan(8, 40000, num_sms=sms, itemsize=2, **opts, **off)
             assert all(step.aliases == () for step in plan.launches), (sms, off)
     assert k.ce_bwd_plan(8, 40000, softcap=None, num_sms=64,
                          in_place=True).launches[0].aliases == ((0, 0),)

@@ -14,7 +14,7 @@ def _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap, write_grad):
     n, vocab = x.shape
     plan = k.ce_fwd_plan(n, vocab, ignore_index=ignore_index, smoothing=smoothing,
                          z_loss=z_loss, softcap=softcap, num_sms=_launch.num_sms(x),
-                         write_grad=write_grad)
+                         write_grad=write_grad, itemsize=x.element_size())
     outs = run_plan(plan, x=x, y=y, row_scale=row_scale)
     return outs if write_grad else outs + (None,)
 

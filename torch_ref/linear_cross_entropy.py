@@ -27,7 +27,7 @@ def _chunk_fwd(z, y, row_scale, o, write_grad):
     n, vocab = z.shape
     plan = _ce_plans.ce_fwd_plan(n, vocab, ignore_index=o[0], smoothing=o[1], z_loss=o[2],
                                  softcap=o[3], num_sms=_launch.num_sms(z), write_grad=write_grad,
-                                 in_place=_IN_PLACE)
+                                 itemsize=z.element_size(), in_place=_IN_PLACE)
     outs = _launch.run_plan(plan, x=z, y=y, row_scale=row_scale)
     return outs if write_grad else outs + (None,)
 

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss.kernels import launch
-from jax_fusedloss.kernels.launch import (fused_split_v, merge_block, row_config,
-                                          scale_rows_constexprs)
+from jax_fusedloss.kernels.launch import (merge_block, row_config, scale_rows_constexprs,
+                                          split_fused_config)
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, load_z, slice_stats
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
@@ -202,8 +202,9 @@ def ce_split_fused_kernel(
     walks its slice for the statistics (evict_last), stores them in part [N, NUM_SPLITS, 4]
     (as ce_partial_kernel), exchanges them (row_exchange), merges and writes its slice's
     gradient (evict_first, last tile first). The row re-read comes from L2 more often than in
-    ce_fwd_kernel's whole-row walk: between a column's two reads the GPU reads NUM_SPLITS
-    times fewer bytes. Outputs as ce_fwd_kernel with WRITE_GRAD."""
+    ce_fwd_kernel's whole-row walk: between a column's two reads the GPU reads about NUM_SPLITS
+    times fewer bytes (H100, float32 V=128256: 3.58 -> 3.11 ms; launch.split_fused_config has
+    the table). Outputs as ce_fwd_kernel with WRITE_GRAD; part and sync are scratch."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     pid = tl.program_id(0)
@@ -389,41 +390,48 @@ def ce_partials_launch(n: int, vocab: int, softcap, smoothing: float, num_sms: i
 
 
 def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_loss: float,
-                softcap, num_sms: int, write_grad: bool, in_place: bool = False) -> Plan:
+                softcap, num_sms: int, write_grad: bool, itemsize: int,
+                in_place: bool = False) -> Plan:
     """x, y, row_scale -> loss, lse, coef [N, COEF_FIELDS] (and grad, the unit-cotangent
     gradient scaled by row_scale, with write_grad). Many rows: one program per row, the
-    gradient written in the same program. Few rows: partials per vocabulary slice, a merge,
-    then the gradient pass.
+    gradient written in the same program; with write_grad and rows of long `itemsize`-byte
+    logits (launch.split_fused_config), each row's slices in programs of one launch that
+    exchange their statistics. Few rows: partials per vocabulary slice, a merge, then the
+    gradient pass.
 
     With write_grad and in_place the gradient overwrites x (aliased): for logits that are dead
     afterwards (linear_cross_entropy's chunks), never a caller's. Safe because every program
-    reads a tile before it writes that tile and no program reads another's tiles: the row
-    kernel reads its whole row for the statistics, then re-reads tile by tile, writing each
-    tile after reading it; on the split path the partials launch (reads only) runs before the
-    gradient launch, which reads and writes its own slice tile by tile."""
+    reads a tile before it writes that tile and no tile is read after another program wrote
+    it: the row kernel reads its whole row for the statistics, then re-reads tile by tile,
+    writing each tile after reading it; the one-launch split kernel writes a slice only after
+    every program of its row has read its own (the exchange), and a row's last program writes
+    an abandoned slice that nobody else writes; on the few-rows path the partials launch
+    (reads only) runs before the gradient launch, which reads and writes its own slice tile
+    by tile."""
     cfg = row_config(n, vocab, num_sms, write_grad)
     alias = ((0, 3),) if write_grad and in_place else ()
     rows = (Buf("loss", (n,), "float32"), Buf("lse", (n,), "float32"),
             Buf("coef", (n, COEF_FIELDS.value), "float32"))
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
-    flags = dict(ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0, PREFETCH=cfg.prefetch,
-                 **_flags(softcap, smoothing))
+    flags = dict(ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0, **_flags(softcap, smoothing))
     scalars = (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0))
-    if cfg.num_splits == 1 and write_grad and cfg.fused_splits > 1:
-        splits = cfg.fused_splits
+    split = split_fused_config(n, vocab, itemsize, num_sms) if write_grad else None
+    if split is not None:
+        s = split.num_splits
         return Plan((Launch(
-            ce_split_fused_kernel, (n * splits,), ("x", "y", "row_scale", Zeros((n,), "int32")),
+            ce_split_fused_kernel, (n * s,), ("x", "y", "row_scale", Zeros((n,), "int32")),
             scalars + (launch.SPLIT_FUSED_POLLS,),
-            rows + (Buf("grad", (n, vocab), LOGITS), Buf("part", (n, splits, 4), "float32"),
-                    Buf("sync", (n,), "int32")), cfg.num_warps,
-            dict(NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
-                 SPLIT_V=fused_split_v(cfg, vocab), BLOCK_V=cfg.block_v, **flags),
+            rows + (Buf("grad", (n, vocab), LOGITS), Buf("part", (n, s, 4), "float32"),
+                    Buf("sync", (n,), "int32")), split.num_warps,
+            dict(NUM_SPLITS=s, BLOCK_S=merge_block(s), SPLIT_V=split.split_v,
+                 BLOCK_V=split.block_v, **flags, PREFETCH=split.prefetch),
             aliases=((3, 5),) + alias),), results)
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
         return Plan((Launch(
             ce_fwd_kernel, (n,), ("x", "y", "row_scale"), scalars, rows + (grad,), cfg.num_warps,
-            dict(BLOCK_V=cfg.block_v, WRITE_GRAD=write_grad, **flags), aliases=alias),), results)
+            dict(BLOCK_V=cfg.block_v, WRITE_GRAD=write_grad, PREFETCH=cfg.prefetch, **flags),
+            aliases=alias),), results)
     part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
     merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
                    (vocab, ignore_index, smoothing, z_loss), rows, 1,

@@ -31,10 +31,21 @@ GRAD_TILE_ELEMS = 16384
 # tiles lose with it; between 50257 and 128256 nothing was measured.
 PREFETCH_MIN_VOCAB = 65536
 # The fused forward + gradient over many rows splits each row over programs of one launch that
-# exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) from this vocabulary
-# up, about SPLIT_FUSED_SLICE elements per program (at most 16 programs a row).
-SPLIT_FUSED_MIN_VOCAB = 10 ** 9
-SPLIT_FUSED_SLICE = 65536
+# exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) for rows of at least
+# SPLIT_FUSED_MIN_ROW_BYTES: between a column's statistics read and its gradient re-read the
+# GPU then reads fewer bytes, so the re-read hits L2 more often. Slices of about
+# SPLIT_FUSED_SLICE_BYTES in 8192-element tiles (16 warps). H100, N=8192, the kernels alone
+# (benchmarks/ce_instructions.py --split; results/ce_split_h100.txt, ce_split2_h100.txt),
+# ms whole-row walk -> split, and x the logits' copy:
+#   float32 V=128256 3.576 -> 3.107 (1.29x -> 1.12x)   float32 V=151936 4.41 -> 3.71 (1.34x -> 1.13x)
+#   float32 V=256000 7.89 -> 6.43 (1.43x -> 1.16x)     bf16 V=256000 3.60 -> 3.41 (1.30x -> 1.23x)
+# Shorter rows lose with every split tried (bf16 V=128256 and 151936, 256-297 KiB rows: 1.56 ->
+# 1.61-1.83 and 1.96 -> 1.97-2.20 ms; float32 V=50257 1.27 -> 1.35 ms); 128 KiB slices lost
+# against 64-96 KiB ones everywhere (float32 V=128256 4.07 ms).
+SPLIT_FUSED_MIN_ROW_BYTES = 448 * 1024
+SPLIT_FUSED_SLICE_BYTES = 96 * 1024
+SPLIT_FUSED_TILE_ELEMS = 8192
+SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
@@ -72,9 +83,6 @@ class RowConfig(NamedTuple):
     split_v: int  # vocabulary slice per program, a multiple of block_v
     align: int  # largest power of two <= 16 dividing vocab: the ALIGN constexpr of hint_multiple
     prefetch: bool = False  # the PREFETCH constexpr of a fused row pass that writes the gradient
-    # programs per row of the one-launch split forward + gradient (slices of
-    # fused_split_v(config) columns); 1 = the whole row in one program
-    fused_splits: int = 1
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -86,13 +94,8 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
     """
     if n_rows >= PROGRAMS_PER_SM * num_sms:
         block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
-        n_tiles = triton.cdiv(vocab, block_v)
-        fused = 1
-        if write_grad and vocab >= SPLIT_FUSED_MIN_VOCAB:
-            fused = triton.cdiv(vocab, triton.cdiv(n_tiles, min(
-                16, n_tiles, max(1, round(vocab / SPLIT_FUSED_SLICE)))) * block_v)
-        return RowConfig(block_v, num_warps, 1, n_tiles * block_v, vocab_align(vocab),
-                         write_grad and vocab >= PREFETCH_MIN_VOCAB, fused)
+        return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
+                         vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB)
     # Few rows: split each row over programs; short latency-bound programs want small tiles.
     block_v, num_warps = _tile(vocab, FWD_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
@@ -102,9 +105,20 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
                      vocab_align(vocab))
 
 
-def fused_split_v(cfg: RowConfig, vocab: int) -> int:
-    """Columns per program of a row split over cfg.fused_splits programs (whole tiles)."""
-    return triton.cdiv(triton.cdiv(vocab, cfg.block_v), cfg.fused_splits) * cfg.block_v
+def split_fused_config(n_rows: int, vocab: int, itemsize: int,
+                       num_sms: int = DEFAULT_NUM_SMS) -> RowConfig | None:
+    """The config of the one-launch split forward + gradient (num_splits programs a row,
+    split_v columns each), or None where the whole-row walk of row_config is faster (few rows,
+    or rows shorter than SPLIT_FUSED_MIN_ROW_BYTES of `itemsize`-byte logits)."""
+    if n_rows < PROGRAMS_PER_SM * num_sms or vocab * itemsize < SPLIT_FUSED_MIN_ROW_BYTES:
+        return None
+    block_v, num_warps = _tile(vocab, SPLIT_FUSED_TILE_ELEMS)
+    n_tiles = triton.cdiv(vocab, block_v)
+    per_slice = max(1, SPLIT_FUSED_SLICE_BYTES // (block_v * itemsize),
+                    triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
+    split_v = per_slice * block_v
+    return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
+                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB)
 
 
 def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
