@@ -103,6 +103,8 @@ def _row_fns(opts: CEOptions, impl: str) -> dict[str, _sharding.RowFns]:
     def fwd_grad(x, y, row_scale):
         if impl == "triton":
             return _triton_rows_fwd(x, y, row_scale, opts, write_grad=True)
+        if x.dtype == jnp.float32 and _xla_chunks.whole_rows():
+            return _xla_ce.rows_fwd_grad_whole(x, y, row_scale, opts)
         loss, lse, coef = fwd(x, y, row_scale, opts)
         return loss, lse, coef, bwd(x, y, lse, coef, opts)
 
@@ -162,7 +164,10 @@ class _CrossEntropy(_op.RowOp):
     @property
     def fuses_grad(self) -> bool:
         # A differentiable lse needs a recompute for its cotangent: no fused gradient there.
-        return self.opts.implementation == "triton" and not self.opts.return_lse
+        # The XLA twin fuses on CPU (whole rows): there a float32 row's exponentials are
+        # computed once for the loss and the gradient (_xla_ce.rows_fwd_grad_whole).
+        return (self.opts.implementation == "triton" or _xla_chunks.whole_rows()) and \
+            not self.opts.return_lse
 
     def call(self, role, *arrays):
         return _call(self.opts, role, *arrays)

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss._xla.chunks import lse_parts, online_stats, transform, write_chunks
-from jax_fusedloss._xla.chunks import poison_inf
+from jax_fusedloss._xla.chunks import poison_inf, safe_max
 
 
 def label_state(labels: jax.Array, vocab: int, ignore_index: int):
@@ -16,12 +16,17 @@ def label_state(labels: jax.Array, vocab: int, ignore_index: int):
 
 def slice_stats(x, y, opts):
     """(max, sum exp(z - max), sum z, z[y] or 0 when y is outside [0, V)) per row of `[N, V]`."""
-    vocab = x.shape[-1]
     m, s, sumz = online_stats(x, 1.0, opts.softcap)
+    return m, s, sumz, label_logit(x, y, opts)
+
+
+def label_logit(x, y, opts):
+    """z[y] per row, 0 where y is outside [0, V)."""
+    vocab = x.shape[-1]
     inside = (y >= 0) & (y < vocab)
     safe = jnp.clip(y, 0, vocab - 1)
     zy, _ = transform(jnp.take_along_axis(x, safe[:, None], axis=1)[:, 0], 1.0, opts.softcap)
-    return m, s, sumz, jnp.where(inside, zy, 0.0)
+    return jnp.where(inside, zy, 0.0)
 
 
 def coefs(lse, bad, scale, opts, vocab: int):
@@ -74,3 +79,24 @@ def rows_bwd(x, y, lse, coef, opts):
         return (a * jnp.exp((z - lse_safe) - lse_lo) - onehot_b - c) * dz
 
     return write_chunks(x, x.dtype, chunk_grad)
+
+
+def rows_fwd_grad_whole(x, y, row_scale, opts):
+    """rows_fwd and the unit-cotangent gradient in one walk of whole float32 rows (CPU): the
+    exponentials e = exp(z - max) are computed once, summed, and turned into the softmax term
+    a * e / sum(e) in place (optax's value_and_grad computes them once too; rows_fwd then
+    rows_bwd computes them twice: 2-core EPYC, [4096, 32000], value_and_grad 390 ms that way,
+    optax 321, this 307). No [N, V] buffer besides the gradient."""
+    vocab = x.shape[-1]
+    z, dz = transform(x, 1.0, opts.softcap)
+    m = z.max(axis=1)
+    e = jnp.exp(z - safe_max(m)[:, None])
+    s = e.sum(axis=1)
+    sumz = z.sum(axis=1) if opts.smoothing > 0 else jnp.zeros_like(s)
+    lse, lse_lo = lse_parts(m, s)
+    loss, coef = finish(lse, lse_lo, label_logit(x, y, opts), sumz, y, row_scale, opts, vocab)
+    a, b, c = (coef[:, i:i + 1] for i in range(3))
+    p = e * (a / jnp.where(s == 0, 1.0, s)[:, None])  # s == 0: an all -inf row, e is 0
+    onehot_b = jnp.where(jnp.arange(vocab)[None, :] == y[:, None], b, 0.0)
+    g = p - onehot_b - c if opts.smoothing > 0 else p - onehot_b
+    return loss, lse, coef, (g * dz if opts.softcap is not None else g).astype(x.dtype)
