@@ -3,7 +3,8 @@
     python -m benchmarks.cpu --out DIR [--ops cross_entropy,logsumexp] [--repeats 7]
 
 Per case: forward (`fwd`) and value_and_grad of the mean loss w.r.t. the logits (`fwd_bwd`),
-the median (and 20th/80th percentiles) of `--repeats` timed calls after two warm-up calls,
+the median (and 20th/80th percentiles) of `--repeats` timed calls after two warm-up calls, the
+implementations' calls interleaved,
 each call one jitted program run to `block_until_ready` (host wall clock); and XLA's temporary
 bytes of the compiled program (`memory_analysis().temp_size_in_bytes`). Baselines take the
 float32 upcast of bf16 logits, as users of optax do. The CPU is often shared: the table says
@@ -62,17 +63,24 @@ def _impls(op: str):
     raise SystemExit(f"unknown op {op!r}")
 
 
-def _time(fn, args, repeats: int):
+def _time(fns: dict, args, repeats: int) -> dict:
+    """{name: (median, p20, p80) ms} of `repeats` calls of each fn, interleaved (one call of
+    each per round): on a 2-core machine a call's time drifts by 20-30% over a minute (page
+    faults of the fresh [N, V] output), which back-to-back runs of one fn after the other
+    turned into a bias between them."""
     import jax
 
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    samples = []
+    for fn in fns.values():
+        for _ in range(2):
+            jax.block_until_ready(fn(*args))
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append((time.perf_counter() - start) * 1e3)
-    return tuple(float(np.percentile(samples, q)) for q in (50, 20, 80))
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: tuple(float(np.percentile(s, q)) for q in (50, 20, 80))
+            for name, s in samples.items()}
 
 
 def run(ops, cases, repeats: int, out: Path | None) -> list[dict]:
@@ -90,12 +98,13 @@ def run(ops, cases, repeats: int, out: Path | None) -> list[dict]:
         x = (3.0 * jax.random.normal(kx, (n, v), jnp.float32)).astype(dtype)
         y = jax.random.randint(ky, (n,), 0, v)
         for op in ops:
-            for impl, loss in _impls(op).items():
-                for mode in ("fwd", "fwd_bwd"):
-                    f = loss if mode == "fwd" else jax.value_and_grad(loss)
-                    jf = jax.jit(f)
+            for mode in ("fwd", "fwd_bwd"):
+                jfs = {impl: jax.jit(loss if mode == "fwd" else jax.value_and_grad(loss))
+                       for impl, loss in _impls(op).items()}
+                times = _time(jfs, (x, y), repeats)
+                for impl, jf in jfs.items():
                     temp = jf.lower(x, y).compile().memory_analysis().temp_size_in_bytes
-                    med, p20, p80 = _time(jf, (x, y), repeats)
+                    med, p20, p80 = times[impl]
                     row = dict(op=op, impl=impl, mode=mode, n=n, v=v, dtype=dt,
                                median_ms=f"{med:.1f}", p20_ms=f"{p20:.1f}", p80_ms=f"{p80:.1f}",
                                temp_bytes=temp, machine=machine,
