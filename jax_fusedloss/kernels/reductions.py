@@ -23,9 +23,8 @@ Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton onl
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (edge_tile, hint_multiple, load_field, load_partials,
-                                           load_tile, lse_parts, safe_max, span_ptr, tile_update,
-                                           vector_span)
+from jax_fusedloss.kernels._online import (edge_tile, hint_multiple, load_tile, lse_parts,
+                                           safe_max, span_ptr, tile_update, vector_span)
 from jax_fusedloss.kernels.launch import RowConfig, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
@@ -143,20 +142,47 @@ def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
 
 
 @triton.jit
+def _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
+                   HAS_LABEL: tl.constexpr, CACHE: tl.constexpr):
+    """Merges a row's NUM_SPLITS partials and finishes the row (CACHE: the loads' cache
+    modifier, ".cg" for partials other programs of the same launch wrote)."""
+    idx = tl.arange(0, BLOCK_S)
+    base = part_ptr + (row * NUM_SPLITS + idx) * 4
+    valid = idx < NUM_SPLITS
+    m, s, u = _merge_partials(
+        tl.load(base, mask=valid, other=float("-inf"), cache_modifier=CACHE),
+        tl.load(base + 1, mask=valid, other=0.0, cache_modifier=CACHE),
+        tl.load(base + 2, mask=valid, other=0.0, cache_modifier=CACHE))
+    label = -1
+    zy = tl.zeros([], tl.float32)
+    if HAS_LABEL:
+        label = tl.load(labels_ptr + row).to(tl.int32)
+        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0, cache_modifier=CACHE), axis=0)
+    _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
+                HAS_LABEL)
+
+
+@triton.jit
 def red_fwd_kernel(
-    # pointers
-    logits_ptr, labels_ptr,
+    # pointers (sync_in: int32 zeros [N], read only through its alias sync)
+    logits_ptr, labels_ptr, sync_in_ptr,
     # sizes, strides, options
     V, stride_row, inv_temp,
     # outputs: partials float32 [N, NUM_SPLITS, 4] = (m, s, u, z[y] or 0) unless FINISH;
-    # per-row lse, entropy, log-prob, lse_lo if FINISH (unused ones may be 1-element dummies)
-    part_ptr, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
+    # per-row lse, entropy, log-prob, lse_lo if FINISH or MERGE (unused ones may be 1-element
+    # dummies); sync: the arrival counts of MERGE (aliases sync_in)
+    part_ptr, lse_ptr, ent_ptr, logp_ptr, lo_ptr, sync_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     HAS_LABEL: tl.constexpr, FINISH: tl.constexpr, ALIGN: tl.constexpr,
+    MERGE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Grid (N, NUM_SPLITS): the partials of one vocabulary slice; with FINISH (row path,
-    grid (N,)) the whole row in one program and its outputs directly, with no merge launch."""
+    """Grid (N, NUM_SPLITS): the partials of one vocabulary slice; with MERGE the last program
+    of a row to finish (an acq_rel arrival count per row: the others' partials are visible to
+    it) also merges the row's partials and writes its outputs, so few rows take one launch,
+    not partials + merge; with FINISH (row path, grid (N,)) the whole row in one program and
+    its outputs directly."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -180,32 +206,10 @@ def red_fwd_kernel(
         tl.store(out + 1, s)
         tl.store(out + 2, u)
         tl.store(out + 3, zy)
-
-
-@triton.jit
-def red_merge_kernel(
-    # pointers
-    part_ptr, labels_ptr,
-    # sizes
-    V,
-    # outputs (unused ones may be 1-element dummies)
-    lse_ptr, ent_ptr, logp_ptr, lo_ptr,
-    # constexprs
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-    HAS_LABEL: tl.constexpr,
-):
-    """Split path, grid (N,): merges a row's NUM_SPLITS partials and finishes the row."""
-    row = tl.program_id(0).to(tl.int64)
-    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (m, s, u, z[y])
-    m, s, u = _merge_partials(load_field(base, valid, 0, True),
-                              load_field(base, valid, 1, False), load_field(base, valid, 2, False))
-    label = -1
-    zy = tl.zeros([], tl.float32)
-    if HAS_LABEL:
-        label = tl.load(labels_ptr + row).to(tl.int32)
-        zy = tl.sum(load_field(base, valid, 3, False), axis=0)
-    _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
-                HAS_LABEL)
+        if MERGE:
+            if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
+                               NUM_SPLITS, BLOCK_S, HAS_ENTROPY, HAS_LABEL, ".cg")
 
 
 @triton.jit
@@ -291,37 +295,46 @@ def _label_input(has_label: bool):
     return "y" if has_label else Zeros((1,), "int32")
 
 
-def _partials_launch(n, vocab, inv_temp, entropy, has_label, cfg) -> Launch:
-    none = [placeholder(f"unused{i}") for i in range(4)]
-    return Launch(red_fwd_kernel, (n, cfg.num_splits), ("x", _label_input(has_label)),
+def _split_launch(n, vocab, inv_temp, entropy, has_label, cfg, outs=None) -> Launch:
+    """The split forward: partials only, or with `outs` (the row outputs) merged by each row's
+    last program in the same launch."""
+    merge = outs is not None
+    outs = outs or tuple(placeholder(f"unused{i}") for i in range(4))
+    sync = Zeros((n,) if merge else (1,), "int32")
+    return Launch(red_fwd_kernel, (n, cfg.num_splits), ("x", _label_input(has_label), sync),
                   (vocab, vocab, inv_temp),
-                  (Buf("part", (n, cfg.num_splits, 4), "float32"), *none), cfg.num_warps,
+                  (Buf("part", (n, cfg.num_splits, 4), "float32"), *outs,
+                   Buf("sync", sync.shape, "int32")), cfg.num_warps,
                   dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
-                       HAS_ENTROPY=entropy, HAS_LABEL=has_label))
+                       HAS_ENTROPY=entropy, HAS_LABEL=has_label, MERGE=merge,
+                       NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits)),
+                  aliases=((2, 5),))
 
 
 def red_fwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
                  num_sms: int) -> Plan:
     """x[, y] -> lse, ent, logp, lse_lo (ent and logp are 1-element placeholders unless asked
     for; lse_lo is the low part of the log-sum-exp, _online.lse_parts, for red_bwd_plan).
-    Many rows: one program per row; few rows: partials per vocabulary slice, then a merge."""
+    Many rows: one program per row; few rows: partials per vocabulary slice, merged by each
+    row's last program in the same launch (one launch: a second one, a merge, cost ~8 us more
+    per call inside a jitted program on H100)."""
     cfg = reduction_config(n, vocab, num_sms)
     flags = dict(HAS_ENTROPY=entropy, HAS_LABEL=has_label)
     outs = (Buf("lse", (n,), "float32"),
             Buf("ent", (n,), "float32") if entropy else placeholder("ent"),
             Buf("logp", (n,), "float32") if has_label else placeholder("logp"),
             Buf("lse_lo", (n,), "float32"))
+    results = ("lse", "ent", "logp", "lse_lo")
     if cfg.num_splits == 1:
-        return Plan((Launch(red_fwd_kernel, (n,), ("x", _label_input(has_label)),
-                            (vocab, vocab, inv_temp), (placeholder("part"),) + outs,
+        return Plan((Launch(red_fwd_kernel, (n,), ("x", _label_input(has_label),
+                                                   Zeros((1,), "int32")),
+                            (vocab, vocab, inv_temp),
+                            (placeholder("part"),) + outs + (placeholder("sync", "int32"),),
                             cfg.num_warps,
                             dict(SPLIT_V=cfg.block_v, BLOCK_V=cfg.block_v, FINISH=True,
-                                 ALIGN=cfg.align, **flags)),), ("lse", "ent", "logp", "lse_lo"))
-    merge = Launch(red_merge_kernel, (n,), ("part", _label_input(has_label)), (vocab,), outs, 1,
-                   dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
-                        **flags))
-    return Plan((_partials_launch(n, vocab, inv_temp, entropy, has_label, cfg), merge),
-                ("lse", "ent", "logp", "lse_lo"))
+                                 ALIGN=cfg.align, MERGE=False, NUM_SPLITS=1, BLOCK_S=2,
+                                 **flags)),), results)
+    return Plan((_split_launch(n, vocab, inv_temp, entropy, has_label, cfg, outs),), results)
 
 
 def red_partials_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
@@ -329,7 +342,7 @@ def red_partials_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has
     """x[, y] -> part [N, S, 4] = (m, s, u, z[y] or 0) per vocabulary slice; y may lie outside
     [0, V) (a label in another device's slice)."""
     cfg = reduction_config(n, vocab, num_sms)
-    return Plan((_partials_launch(n, vocab, inv_temp, entropy, has_label, cfg),), ("part",))
+    return Plan((_split_launch(n, vocab, inv_temp, entropy, has_label, cfg),), ("part",))
 
 
 def red_bwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
