@@ -61,6 +61,10 @@ SPLIT_FUSED_POLLS = 4096
 #   token_logprobs      22/17  26/21  19/25  22/28  29/34  31/47
 #   cross_entropy       49/20  51/24  52/23  54/29  49/37  52/45
 #   cross_entropy grad  39/27  45/29  46/31  31/38  45/57  63/76
+# The reductions' few-row forward later became one launch (each row's last program merges);
+# one re-run at 266cf71 (fewrows_h100_2026-11-24_onelaunch.csv), same N, Triton / XLA twin:
+#   logsumexp 19/17 19/20 23/30 16/23 22/32 29/38; token_logprobs 25/17 25/20 33/28 25/34
+#   25/34 37/49: within the run-to-run spread of the table above, so the thresholds stay.
 # (CUPTI kernel time of our path is 3-13 us of that: the rest is launch cost; cross_entropy's
 # forward adds XLA kernels around its two custom calls.) The reductions switch to Triton from
 # 16 rows; the losses keep XLA through 64 rows, where their forward alone is still 1.3x faster
