@@ -6,7 +6,8 @@
 
 Shapes cover the row path and the split path (few rows), an odd vocabulary (5003, no vector
 alignment), a tile-sized one (4096), rows long enough for the fused pass's prefetch (65537, the
-row path), ignored and out-of-range labels and teacher ids, and
+row path) and, in float32, for the one-launch split forward + gradient (114689, torch only),
+ignored and out-of-range labels and teacher ids, and
 both gradient routes (unit and non-unit cotangents). Prints "ok" at the end.
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ def run_torch() -> None:
     import torch_ref
 
     dev = "cuda"
-    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000), (264, 65537)):
+    # (264, 114689): float32 rows of 448 KiB take the one-launch split forward + gradient
+    for n, v in ((300, 5003), (3, 5003), (257, 4096), (2, 70000), (264, 65537), (264, 114689)):
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(n, v, device=dev) * 2).to(dtype).requires_grad_(True)
             y = torch.randint(0, v, (n,), device=dev)
