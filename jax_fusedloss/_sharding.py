@@ -207,45 +207,13 @@ def global_vocab(vocab_local: int, axes: tuple[str, ...]) -> int:
     return vocab_local * jax.lax.axis_size(axes)
 
 
-def all_max(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """The elementwise max of x over the mesh `axes` (what jax.lax.pmax computes), as an
-    all-gather and a local reduction. With explicit mesh axes, JAX lowers a pmax or psum
-    inside our partitioned functions to an all-reduce whose reduction body carries a Shardy
-    "Sharding" custom call, which XLA's GPU all-reduce cannot classify: the compile aborts
-    (jaxlib 0.11.2, 2 x H200: `all_reduce_thunk.cc: Check failed: reduction_kind.has_value()`).
-    An all-gather has no reduction body. The bytes sent grow with the device count, which
-    for the O(N) statistics merged here is still O(N). The gather is JAX's invariant one, so
-    that inside shard_map the result is typed as replicated over `axes`, as a pmax's is."""
-    return _gather_invariant(x, axes).max(axis=0)
-
-
-def all_sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """The sum of x over the mesh `axes` (jax.lax.psum) as an all-gather and a local sum (see
-    all_max)."""
-    return _gather_invariant(x, axes).sum(axis=0)
-
-
-def _gather_invariant(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """[devices along axes, *x.shape]: x of every device. Inside shard_map (x typed as varying
-    over `axes`) the gather is JAX's invariant one, so that the result is typed as replicated
-    over `axes` (jax.lax.all_gather's stays typed as varying, which shard_map's replication
-    check rejects for an output declared replicated; JAX exports no public name for it yet);
-    in a partitioned function (no such typing, where the invariant gather does not lower)
-    the plain one."""
-    if set(axes) <= varying_axes(x):
-        from jax._src.lax.parallel import all_gather_invariant
-
-        return all_gather_invariant(x, axes, axis=0)
-    return jax.lax.all_gather(x, axes, axis=0)
-
-
 def merge_across(axes: tuple[str, ...], m, s, u=None, sums: Sequence[jax.Array] = ()):
-    """Merges per-device softmax partials over the mesh `axes` with two O(N) collectives (a
-    max, then one sum of every column: all_max, all_sum): (max, sum exp(z - max)[, sum (z -
-    max) exp(z - max)]) merged as in `merge_partials` (a partial whose max is -inf is the
-    identity), plain `sums` added. Returns (m, s, u or None, *sums), replicated over `axes`."""
+    """Merges per-device softmax partials over the mesh `axes` with two O(N) all-reduces (a max,
+    then one sum of every column): (max, sum exp(z - max)[, sum (z - max) exp(z - max)]) merged
+    as in `merge_partials` (a partial whose max is -inf is the identity), plain `sums` added.
+    Returns (m, s, u or None, *sums), replicated over `axes`."""
     jnp = jax.numpy
-    m_all = all_max(m, axes)
+    m_all = jax.lax.pmax(m, axes)
     ref = jnp.where(jnp.isneginf(m_all), 0.0, m_all)
     dead = jnp.isneginf(m)
     shift = jnp.where(dead, 0.0, m) - ref
@@ -253,7 +221,7 @@ def merge_across(axes: tuple[str, ...], m, s, u=None, sums: Sequence[jax.Array] 
     cols = [jnp.where(dead, 0.0, s) * w]
     if u is not None:
         cols.append(jnp.where(dead, 0.0, w * (u + shift * s)))
-    total = all_sum(jnp.stack(cols + list(sums), axis=-1), axes)
+    total = jax.lax.psum(jnp.stack(cols + list(sums), axis=-1), axes)
     u_out = total[..., 1] if u is not None else None
     rest = total[..., len(cols):]
     return (m_all, total[..., 0], u_out) + tuple(rest[..., i] for i in range(len(sums)))

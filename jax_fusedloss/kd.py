@@ -54,19 +54,18 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
 # ----------------------------------------------------------------------------- row functions
 def _vp_gathers(x, ids, y, opts: KDOptions, axes):
     """Slice offset, global vocabulary, the vocabulary statistics (vocab_stats) merged over
-    the slices, x[ids] and x[y] of a vocabulary slice: one max and one sum over the devices
-    (_sharding.all_max, all_sum) of O(N * K)."""
+    the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
     vocab = x.shape[1]
     off = _sharding.slice_offset(vocab, axes)
     xk = _xla_kd.slice_gather(x, ids, off)
     xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
     m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
                         else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
-    m_all = _sharding.all_max(m, axes)
+    m_all = jax.lax.pmax(m, axes)
     shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
     weights = (jnp.exp(shift), jnp.exp(shift / opts.temperature), 1.0)  # sums relative to m
     sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
-    total = _sharding.all_sum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
+    total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
     merged = iter(total[..., i] for i in range(len(sums)))
     vstats = (m_all,) + tuple(None if a is None else next(merged) for a in (s, s_kd, sumz))
     return (off, _sharding.global_vocab(vocab, axes), vstats, total[..., len(sums) + 1:],
