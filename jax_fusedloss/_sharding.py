@@ -88,21 +88,6 @@ def _rule(n_rows_in: Sequence[int], out_ndims: Sequence[tuple[str, int]]) -> str
     return ", ".join(ins) + " -> " + ", ".join(outs)
 
 
-def auto_mesh(mesh):
-    """`mesh` with every axis Auto: the mesh a partition rule hands back, under which JAX traces
-    the per-device function. With Explicit axes that trace keeps Shardy sharding annotations
-    (custom calls "Sharding") inside the per-device program, which nothing removes any more
-    there: on 2 x H200 (jaxlib 0.11.2) the compile aborted on a psum's reduction body carrying
-    one (`all_reduce_thunk.cc: Check failed: reduction_kind.has_value()`), and with the merge
-    written as all-gathers, failed on the remaining ones ("No registered implementation for
-    custom call to Sharding"). The shards are the same either way."""
-    types = getattr(mesh, "axis_types", None)
-    if types is None or all(t == jax.sharding.AxisType.Auto for t in types):
-        return mesh
-    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
-                             axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
-
-
 def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
                 out_ndims: tuple[int, ...]) -> Callable:
     """The custom-partitioned form of `fns.local` for row arrays of `in_ndims` dimensions.
@@ -126,7 +111,6 @@ def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
         return out_shardings(mesh, rows, x_sharding)
 
     def partition(mesh, arg_shapes, result_shape):
-        mesh = auto_mesh(mesh)
         x = arg_shapes[0]
         use = fns if fallback is None or mesh.size == 1 else fallback
         rows, vocab = _layout(mesh, x.shape, x.sharding, use.vocab_parallel is not None)
@@ -308,7 +292,6 @@ def partitioned_dims(body: Callable, in_dims: tuple[str, ...],
         return shardings(mesh, out_dims, *layout(mesh, arg_shapes))
 
     def partition(mesh, arg_shapes, result_shape):
-        mesh = auto_mesh(mesh)
         rows, vocab = layout(mesh, arg_shapes)
         return (mesh, body(mesh, rows, vocab), shardings(mesh, out_dims, rows, vocab),
                 shardings(mesh, in_dims, rows, vocab))
