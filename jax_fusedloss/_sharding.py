@@ -156,7 +156,20 @@ def _explicit_axes(x) -> bool:
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):
         return False
-    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if explicit and mesh.size > 1:
+        from jax_fusedloss import _triton_jax
+
+        if _triton_jax.on_cuda_gpu():
+            raise NotImplementedError(EXPLICIT_ON_GPUS)
+    return explicit
+
+
+EXPLICIT_ON_GPUS = (
+    "jax_fusedloss: logits sharded over several GPUs with Explicit mesh axes "
+    "(jax.sharding.AxisType.Explicit) are not supported yet: the compiled programs keep Shardy "
+    "sharding annotations that XLA's GPU backend rejects or aborts on (2 x H200, jax 0.11.2). "
+    "Build the mesh with AxisType.Auto axes (jax.make_mesh's default).")
 
 
 def call_rows(fns: RowFns, fallback: RowFns | None, x, *rows, vocab_axis=None):
