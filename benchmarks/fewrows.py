@@ -15,7 +15,8 @@ command buffer, and a custom call such as jax-triton's ends a graph), "nocmdbuf"
 buffers off: every kernel launched on its own) and "cmdbuf-triton" (jax-triton's legacy custom
 call recorded into the command buffers too, through XLA's
 `--legacy_command_buffer_custom_call_targets`). The row "triton-rowpath" forces one program per
-row (a single launch, no split + merge) to show what the second launch costs.
+row (no vocabulary split: one short launch for cross_entropy too, whose split forward is
+partials + merge; the reductions' split forward merges in its own launch since 266cf71).
 """
 from __future__ import annotations
 
