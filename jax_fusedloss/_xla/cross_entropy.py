@@ -85,8 +85,9 @@ def rows_fwd_grad_whole(x, y, row_scale, opts):
     """rows_fwd and the unit-cotangent gradient in one walk of whole float32 rows (CPU): the
     exponentials e = exp(z - max) are computed once, summed, and turned into the softmax term
     a * e / sum(e) in place (optax's value_and_grad computes them once too; rows_fwd then
-    rows_bwd computes them twice: 2-core EPYC, [4096, 32000], value_and_grad 390 ms that way,
-    optax 321, this 307). No [N, V] buffer besides the gradient."""
+    rows_bwd computes them twice). 2-core EPYC, [4096, 32000], value_and_grad with optax's
+    calls interleaved: 336 vs 337 ms (benchmarks/results/cpu_2core.csv); 393 vs 317 ms the
+    other way. No [N, V] buffer besides the gradient."""
     vocab = x.shape[-1]
     z, dz = transform(x, 1.0, opts.softcap)
     m = z.max(axis=1)
