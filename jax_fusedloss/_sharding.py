@@ -152,6 +152,9 @@ def _pcast_to(out, axes: frozenset):
 
 
 def _explicit_axes(x) -> bool:
+    """Whether x is sharded over a mesh with Explicit axes; raises NotImplementedError
+    (EXPLICIT_ON_GPUS) for such a mesh of several GPUs, at trace time, for every op (call_rows
+    and call_dims ask this first)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):

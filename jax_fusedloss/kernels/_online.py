@@ -71,10 +71,23 @@ def load_partials(part_ptr, row, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr
 
 
 @triton.jit
-def load_field(base, valid, FIELD: tl.constexpr, IS_MAX: tl.constexpr):
+def load_field(base, valid, FIELD: tl.constexpr, IS_MAX: tl.constexpr, CACHE: tl.constexpr):
     """Field FIELD of every split; padding lanes get the merge identity (-inf for a max, else
-    0)."""
-    return tl.load(base + FIELD, mask=valid, other=float("-inf") if IS_MAX else 0.0)
+    0). CACHE: the load's cache modifier, ".cg" for partials that other programs of the same
+    launch wrote (never a stale L1 line), else ""."""
+    return tl.load(base + FIELD, mask=valid, other=float("-inf") if IS_MAX else 0.0,
+                   cache_modifier=CACHE)
+
+
+@triton.jit
+def store_partials(part_ptr, row, split, num_splits, f0, f1, f2, f3):
+    """Stores one split's four partial statistics at part_ptr[row, split] (layout float32
+    [N, num_splits, 4], as load_partials reads them)."""
+    out = part_ptr + (row * num_splits + split) * 4
+    tl.store(out, f0)
+    tl.store(out + 1, f1)
+    tl.store(out + 2, f2)
+    tl.store(out + 3, f3)
 
 
 @triton.jit

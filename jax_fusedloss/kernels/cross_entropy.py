@@ -21,7 +21,7 @@ from jax_fusedloss.kernels.launch import (merge_block, row_config, scale_rows_co
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 from jax_fusedloss.kernels._ce_core import ce_row_finish, label_state, load_z, slice_stats
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
-                                           load_partials, lse_parts, merge_stats,
+                                           load_partials, lse_parts, merge_stats, store_partials,
                                            span_ptr, vector_span)
 
 # Per-row gradient coefficients, float32 [N, COEF_FIELDS] = (a, b, c, lse_lo * w, w): w = 1 as
@@ -216,21 +216,14 @@ def ce_split_fused_kernel(
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, start, stop, softcap,
                                     1.0, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
                                     "evict_last", PREFETCH)
-    out = part_ptr + (row * NUM_SPLITS + split) * 4
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, sumz)
-    tl.store(out + 3, zy)
+    store_partials(part_ptr, row, split, NUM_SPLITS, m, s, sumz, zy)
     complete, abandoned = row_exchange(sync_ptr, row, split, max_polls, NUM_SPLITS)
     if complete:
-        idx = tl.arange(0, BLOCK_S)
-        base = part_ptr + (row * NUM_SPLITS + idx) * 4
-        valid = idx < NUM_SPLITS
-        m_i = tl.load(base, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        s_i = tl.load(base + 1, mask=valid, other=0.0, cache_modifier=".cg")
-        m, s = merge_stats(m_i, s_i)
-        sumz = tl.sum(tl.load(base + 2, mask=valid, other=0.0, cache_modifier=".cg"), axis=0)
-        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0, cache_modifier=".cg"), axis=0)
+        base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
+        m, s = merge_stats(load_field(base, valid, 0, True, ".cg"),
+                           load_field(base, valid, 1, False, ".cg"))
+        sumz = tl.sum(load_field(base, valid, 2, False, ".cg"), axis=0)
+        zy = tl.sum(load_field(base, valid, 3, False, ".cg"), axis=0)
         lse, lse_lo, a, b, c = _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr,
                                                     row_scale_ptr, V, ignore_index, smoothing,
                                                     z_loss, loss_ptr, lse_ptr, coef_ptr,
@@ -266,11 +259,7 @@ def ce_partial_kernel(
     m, s, _, sumz, zy = slice_stats(logits_ptr, row * stride_row, label, start, stop, softcap,
                                     1.0, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, True, False,
                                     "", False)
-    out = part_ptr + (row * num_splits + split) * 4
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, sumz)
-    tl.store(out + 3, zy)
+    store_partials(part_ptr, row, split, num_splits, m, s, sumz, zy)
 
 
 @triton.jit
@@ -288,9 +277,9 @@ def ce_merge_kernel(
     """Split path, grid (N,): merges a row's partials into loss, lse and coefficients."""
     row = tl.program_id(0).to(tl.int64)
     base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (max, sum, sum z, z[y])
-    m, s = merge_stats(load_field(base, valid, 0, True), load_field(base, valid, 1, False))
-    sumz = tl.sum(load_field(base, valid, 2, False), axis=0)
-    zy = tl.sum(load_field(base, valid, 3, False), axis=0)
+    m, s = merge_stats(load_field(base, valid, 0, True, ""), load_field(base, valid, 1, False, ""))
+    sumz = tl.sum(load_field(base, valid, 2, False, ""), axis=0)
+    zy = tl.sum(load_field(base, valid, 3, False, ""), axis=0)
     _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
                          smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr, HAS_SMOOTHING,
                          HAS_ZLOSS)

@@ -30,7 +30,7 @@ from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state
                                             merge_scaled, scaled_lse, slice_stats)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
-                                           safe_max, span_ptr, vector_span)
+                                           safe_max, span_ptr, store_partials, vector_span)
 from jax_fusedloss.kernels.launch import merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
@@ -254,10 +254,10 @@ def kd_fwd_kernel(
     if FROM_PARTS:
         # partials: (max z, sum exp(z - max), sum exp((z - max) / T), sum z)
         base, ok = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
-        m_i = load_field(base, ok, 0, True)
-        m, s = merge_stats(m_i, load_field(base, ok, 1, False))
-        s_kd = merge_scaled(m_i, load_field(base, ok, 2, False), m, inv_temp)
-        sumz = tl.sum(load_field(base, ok, 3, False), axis=0)
+        m_i = load_field(base, ok, 0, True, "")
+        m, s = merge_stats(m_i, load_field(base, ok, 1, False, ""))
+        s_kd = merge_scaled(m_i, load_field(base, ok, 2, False, ""), m, inv_temp)
+        sumz = tl.sum(load_field(base, ok, 3, False, ""), axis=0)
     elif DISTILL or KD_STATS:
         m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
                                           inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
@@ -348,11 +348,7 @@ def kd_partial_kernel(
                                       tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
                                       BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
                                       KD_STATS, "", False)
-    out = part_ptr + (row * tl.num_programs(1) + split) * 4
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, s_kd)
-    tl.store(out + 3, sumz)
+    store_partials(part_ptr, row, split, tl.num_programs(1), m, s, s_kd, sumz)
 
 
 @triton.jit

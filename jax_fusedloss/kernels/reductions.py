@@ -23,8 +23,9 @@ Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton onl
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._online import (edge_tile, hint_multiple, load_tile, lse_parts,
-                                           safe_max, span_ptr, tile_update, vector_span)
+from jax_fusedloss.kernels._online import (edge_tile, hint_multiple, load_field, load_partials,
+                                           load_tile, lse_parts, safe_max, span_ptr,
+                                           store_partials, tile_update, vector_span)
 from jax_fusedloss.kernels.launch import RowConfig, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
@@ -147,18 +148,15 @@ def _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_
                    HAS_LABEL: tl.constexpr, CACHE: tl.constexpr):
     """Merges a row's NUM_SPLITS partials and finishes the row (CACHE: the loads' cache
     modifier, ".cg" for partials other programs of the same launch wrote)."""
-    idx = tl.arange(0, BLOCK_S)
-    base = part_ptr + (row * NUM_SPLITS + idx) * 4
-    valid = idx < NUM_SPLITS
-    m, s, u = _merge_partials(
-        tl.load(base, mask=valid, other=float("-inf"), cache_modifier=CACHE),
-        tl.load(base + 1, mask=valid, other=0.0, cache_modifier=CACHE),
-        tl.load(base + 2, mask=valid, other=0.0, cache_modifier=CACHE))
+    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (m, s, u, z[y])
+    m, s, u = _merge_partials(load_field(base, valid, 0, True, CACHE),
+                              load_field(base, valid, 1, False, CACHE),
+                              load_field(base, valid, 2, False, CACHE))
     label = -1
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         label = tl.load(labels_ptr + row).to(tl.int32)
-        zy = tl.sum(tl.load(base + 3, mask=valid, other=0.0, cache_modifier=CACHE), axis=0)
+        zy = tl.sum(load_field(base, valid, 3, False, CACHE), axis=0)
     _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
                 HAS_LABEL)
 
@@ -201,11 +199,7 @@ def red_fwd_kernel(
         _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
                     HAS_LABEL)
     else:
-        out = part_ptr + (row * tl.num_programs(1) + tl.program_id(1)) * 4
-        tl.store(out, m)
-        tl.store(out + 1, s)
-        tl.store(out + 2, u)
-        tl.store(out + 3, zy)
+        store_partials(part_ptr, row, tl.program_id(1), tl.num_programs(1), m, s, u, zy)
         if MERGE:
             if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
