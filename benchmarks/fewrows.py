@@ -6,15 +6,16 @@ one program that applies an op to `--calls` different `[N, V]` inputs (no common
 subexpressions; separate buffers, so no slicing copies) and reports device time per call =
 wall time of the whole program / calls (the program runs for a millisecond or more, so the
 host's dispatch of it is negligible), for our implementations and XLA's own formula, under
-several XLA flag sets (each in its own process: XLA reads XLA_FLAGS once):
+several environments (each in its own process: XLA reads XLA_FLAGS once):
 
     source .whl/gpu-env.sh && python3 -m benchmarks.fewrows --out $OUT/fewrows
 
 Variants: "default" (XLA's defaults: consecutive XLA kernels run as one CUDA graph, a
-command buffer, and a custom call such as jax-triton's ends a graph), "nocmdbuf" (command
-buffers off: every kernel launched on its own) and "cmdbuf-triton" (jax-triton's legacy custom
-call recorded into the command buffers too, through XLA's
-`--legacy_command_buffer_custom_call_targets`). The row "triton-rowpath" forces one program per
+command buffer, and a custom call such as ours ends a graph), "nocmdbuf" (command buffers
+off: every kernel launched on its own) and "legacy-call" (our kernels through jax-triton's
+legacy custom call instead of jaxlib's typed-FFI one; XLA's flag that recorded legacy custom
+calls into command buffers, --legacy_command_buffer_custom_call_targets, is gone from jaxlib
+0.11.2). The row "triton-rowpath" forces one program per
 row (no vocabulary split: one short launch for cross_entropy too, whose split forward is
 partials + merge; the reductions' split forward merges in its own launch since 266cf71).
 """
@@ -31,13 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {
-    "default": "",
-    "nocmdbuf": "--xla_gpu_enable_command_buffer=",
-    # jax-triton's legacy custom call recorded into XLA's command buffers (CUDA graphs).
-    "cmdbuf-triton": "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,CUBLAS,CUBLASLT "
-                     "--legacy_command_buffer_custom_call_targets=triton_kernel_call "
-                     "--xla_gpu_graph_min_graph_size=1",
+VARIANTS = {  # environment of each worker process (XLA reads XLA_FLAGS once)
+    "default": {},
+    "nocmdbuf": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    # jax-triton's own lowering: the legacy custom call "triton_kernel_call" (we lower to the
+    # typed-FFI "triton_kernel_call_ffi" by default, _triton_jax.call_target).
+    "legacy-call": {"JFL_TRITON_CALL": "legacy"},
 }
 FIELDS = ["date", "device", "commit", "versions", "variant", "op", "n", "v", "dtype", "impl",
           "us_per_call", "p20_us", "p80_us", "calls"]
@@ -154,7 +154,8 @@ def main(argv=None) -> None:
     rows = []
     for variant in args.variants.split(","):
         env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[variant]).strip()
+        for key, value in VARIANTS[variant].items():
+            env[key] = (env.get(key, "") + " " + value).strip() if key == "XLA_FLAGS" else value
         cmd = [sys.executable, "-m", "benchmarks.fewrows", "--out", args.out, "--ns", args.ns,
                "--vocab", str(args.vocab), "--calls", str(args.calls), "--reps",
                str(args.reps), "--ops", args.ops, "--impls", args.impls, "--worker", variant]

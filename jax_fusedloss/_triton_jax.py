@@ -124,6 +124,61 @@ def _jax_triton():
     return jax_triton
 
 
+# How a kernel launch reaches the GPU from XLA. jax-triton 0.3.1 lowers every call to jaxlib's
+# legacy custom call "triton_kernel_call" (status-returning API, the compressed kernel proto as
+# the backend_config string), which looks the proto up by its bytes on every execution. Newer
+# jaxlibs register the same launcher as a typed-FFI handler, "triton_kernel_call_ffi", that
+# decodes the proto once when the executable is initialised (Pallas's Triton calls go through
+# it). We lower our calls to the FFI handler where jaxlib has it; JFL_TRITON_CALL=legacy keeps
+# jax-triton's own lowering (the A/B switch of benchmarks/fewrows.py).
+FFI_TARGET = "triton_kernel_call_ffi"
+LEGACY_TARGET = "triton_kernel_call"
+FFI_MIN_JAXLIB = (0, 10, 3)
+
+
+def call_target() -> str:
+    """The custom-call target our jax-triton launches lower to in this process."""
+    mode = os.environ.get("JFL_TRITON_CALL", "ffi")
+    if mode not in ("ffi", "legacy"):
+        raise ValueError(f"JFL_TRITON_CALL must be 'ffi' or 'legacy', got {mode!r}")
+    import jaxlib
+
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+    return FFI_TARGET if mode == "ffi" and version >= FFI_MIN_JAXLIB else LEGACY_TARGET
+
+
+@functools.lru_cache(maxsize=1)
+def _register_ffi_lowering() -> None:
+    """Re-registers jax-triton's CUDA lowering so that a call whose custom_call_target_name is
+    FFI_TARGET becomes a typed-FFI custom call (api_version 4, the same compressed proto as the
+    attribute `opaque`); every other call (other users of jax-triton in the process) lowers
+    exactly as jax-triton lowers it."""
+    from jax.interpreters import mlir
+    from jax._src.lib.mlir import ir
+    from jax_triton import triton_lib
+
+    legacy = functools.partial(triton_lib.triton_kernel_call_lowering,
+                               triton_lib.get_cuda_backend)
+
+    def rule(ctx, *args, **params):
+        if params["custom_call_target_name"] != FFI_TARGET:
+            return legacy(ctx, *args, **params)
+        # jax-triton compiles the kernel and emits its (legacy-API) call; we keep its proto,
+        # emit the FFI call in its place and erase the legacy op (nothing uses its results).
+        outs = legacy(ctx, *args, **params)
+        op = outs[0].owner
+        op = getattr(op, "operation", op)
+        opaque = ir.StringAttr(op.attributes["backend_config"]).value_bytes
+        ffi = jax.ffi.ffi_lowering(
+            FFI_TARGET, api_version=4,
+            operand_output_aliases=dict(params["input_output_aliases"]))
+        new = ffi(ctx, *args, opaque=opaque)
+        op.erase()
+        return new
+
+    mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
+
+
 def _to_torch(a: np.ndarray):
     import torch
 
@@ -180,10 +235,13 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
     aliases = dict(input_output_aliases or {})
     scalars = [np.float32(s) if isinstance(s, float) else s for s in scalars]
     if on_cuda_gpu():
+        target = call_target()
+        if target == FFI_TARGET:
+            _register_ffi_lowering()
         outs = _jax_triton().triton_call(
             *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
-            **constexprs)
+            custom_call_target_name=target, **constexprs)
         return tuple(outs)
     return _interpret(kernel, grid, inputs, [float(s) if isinstance(s, np.floating) else s
                                              for s in scalars],

@@ -1,0 +1,90 @@
+"""GPU only: how our kernels reach the GPU from XLA. By default a launch lowers to jaxlib's
+typed-FFI Triton call (`_triton_jax.FFI_TARGET`); JFL_TRITON_CALL=legacy gives jax-triton's
+legacy custom call. Both must give bit-identical results (same kernel, same proto), including
+the calls whose output aliases an input (the split forward + gradient's counter buffer), and a
+jax-triton call that is not ours must keep jax-triton's own lowering."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_fusedloss  # noqa: E402
+from jax_fusedloss import _triton_jax  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _targets(compiled_text: str) -> set[str]:
+    found = set()
+    for target in (_triton_jax.FFI_TARGET, _triton_jax.LEGACY_TARGET):
+        if f'custom_call_target="{target}"' in compiled_text:
+            found.add(target)
+    return found
+
+
+def _run(monkeypatch, mode: str, fn, *args):
+    """jit(fn) traced afresh under JFL_TRITON_CALL=mode: (outputs, custom-call targets)."""
+    monkeypatch.setenv("JFL_TRITON_CALL", mode)
+    jitted = jax.jit(lambda *a: fn(*a))  # a new function: no trace cached from the other mode
+    text = jitted.lower(*args).compile().as_text()
+    return jax.tree.map(np.asarray, jitted(*args)), _targets(text)
+
+
+def _ce_value_and_grad(x, y):
+    return jax.value_and_grad(
+        lambda x: jax_fusedloss.cross_entropy(x, y, implementation="triton"))(x)
+
+
+def _reductions(x, y):
+    return (jax_fusedloss.logsumexp(x, implementation="triton"),
+            jax_fusedloss.token_logprobs(x, y, return_entropy=True, implementation="triton"))
+
+
+@pytest.mark.parametrize("fn,n,vocab,dtype", [
+    (_ce_value_and_grad, 512, 32000, jnp.bfloat16),     # one program per row, fused gradient
+    (_ce_value_and_grad, 264, 114689, jnp.float32),    # split forward + gradient (aliased counter)
+    (_ce_value_and_grad, 4, 50257, jnp.bfloat16),      # few rows: partials + merge
+    (_reductions, 8, 128256, jnp.bfloat16),            # split reductions, one launch
+    (_reductions, 300, 50257, jnp.float16),
+], ids=lambda p: getattr(p, "__name__", str(p)))
+def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype):
+    if _triton_jax.call_target() != _triton_jax.FFI_TARGET:
+        pytest.skip("this jaxlib has no typed-FFI Triton call")
+    keys = jax.random.split(jax.random.key(n + vocab), 2)
+    x = (jax.random.normal(keys[0], (n, vocab), jnp.float32) * 3).astype(dtype)
+    y = jax.random.randint(keys[1], (n,), 0, vocab)
+    out_ffi, targets_ffi = _run(monkeypatch, "ffi", fn, x, y)
+    out_legacy, targets_legacy = _run(monkeypatch, "legacy", fn, x, y)
+    assert targets_ffi == {_triton_jax.FFI_TARGET}
+    assert targets_legacy == {_triton_jax.LEGACY_TARGET}
+    for a, b in zip(jax.tree.leaves(out_ffi), jax.tree.leaves(out_legacy)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        assert np.isfinite(a.astype(np.float32)).all()
+
+
+def test_other_jax_triton_calls_keep_their_lowering():
+    """Our lowering rule replaces jax-triton's for every call in the process; calls that do not
+    ask for the FFI target must come out exactly as jax-triton makes them."""
+    import jax_triton
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_one(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+
+    jax_fusedloss.logsumexp(jnp.ones((2, 64)), implementation="triton")  # registers our rule
+    x = jnp.arange(128, dtype=jnp.float32)
+    f = jax.jit(lambda x: jax_triton.triton_call(
+        x, kernel=add_one, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,),
+        BLOCK=128))
+    assert _targets(f.lower(x).compile().as_text()) == {_triton_jax.LEGACY_TARGET}
+    np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x) + 1)
