@@ -3,15 +3,17 @@
 At N <= 64 rows a call's GPU kernels take a few microseconds (CUPTI, `benchmarks.kernel_time`),
 but what a JAX user pays is the program's time per call, launch gaps included. This tool jits
 one program that applies an op to `--calls` different `[N, V]` inputs (no common
-subexpressions; separate buffers, so no slicing copies) and reports device time per call =
-wall time of the whole program / calls (the program runs for a millisecond or more, so the
-host's dispatch of it is negligible), for our implementations and XLA's own formula, under
-several environments (each in its own process: XLA reads XLA_FLAGS once):
+subexpressions; separate buffers, so no slicing copies) and reports the device time per call:
+the GPU span of one execution of the program (CUPTI: first activity to the end of the last,
+launch gaps included) / calls. Also the wall time per call, which at few rows is mostly the
+host's dispatch of a program with 2 x calls arguments (equal for every implementation, and
+not what a call costs inside a training step). For our implementations and XLA's own formula,
+under several environments (each in its own process: XLA reads XLA_FLAGS once):
 
     source .whl/gpu-env.sh && python3 -m benchmarks.fewrows --out $OUT/fewrows
 
-Variants: "default" (XLA's defaults: consecutive XLA kernels run as one CUDA graph, a
-command buffer, and a custom call such as ours ends a graph), "nocmdbuf" (command buffers
+Variants: "default" (XLA's defaults: consecutive kernels run as CUDA graphs, XLA's command
+buffers, which a legacy custom call ends), "nocmdbuf" (command buffers
 off: every kernel launched on its own) and "legacy-call" (our kernels through jax-triton's
 legacy custom call instead of jaxlib's typed-FFI one; XLA's flag that recorded legacy custom
 calls into command buffers, --legacy_command_buffer_custom_call_targets, is gone from jaxlib
@@ -40,7 +42,7 @@ VARIANTS = {  # environment of each worker process (XLA reads XLA_FLAGS once)
     "legacy-call": {"JFL_TRITON_CALL": "legacy"},
 }
 FIELDS = ["date", "device", "commit", "versions", "variant", "op", "n", "v", "dtype", "impl",
-          "us_per_call", "p20_us", "p80_us", "calls"]
+          "us_per_call", "p20_us", "p80_us", "wall_us_per_call", "calls"]
 
 
 def _ops():
@@ -74,8 +76,16 @@ def _ops():
     }
 
 
-def _time_program(fn, xs, ys, reps: int) -> list[float]:
+def _time_program(fn, xs, ys, reps: int) -> tuple[list[float], list[float]]:
+    """(wall seconds per execution of the program, device span seconds per execution).
+
+    The wall clock includes the host's dispatch of a program with 2 x calls arguments, which
+    at few rows is longer than the GPU work (about 1 ms against 0.3 ms for 64 logsumexp calls
+    at N=1, H100): it is not what a call costs inside a bigger program. The device span is,
+    from CUPTI (torch's profiler sees JAX's kernels too): first GPU activity (kernel, copy or
+    memset) of an execution to the end of its last, launch gaps between the calls included."""
     import jax
+    from torch.profiler import ProfilerActivity, profile
 
     # Separate arguments, not slices of one stacked array: a custom call's operand sliced out of
     # a bigger buffer is copied first (XLA fuses a slice only into its own kernels).
@@ -83,12 +93,25 @@ def _time_program(fn, xs, ys, reps: int) -> list[float]:
     jax.block_until_ready(f(xs, ys))
     for _ in range(3):
         jax.block_until_ready(f(xs, ys))
-    out = []
+    wall = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(f(xs, ys))
-        out.append(time.perf_counter() - t0)
-    return out
+        wall.append(time.perf_counter() - t0)
+    spans = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            jax.block_until_ready(f(xs, ys))
+    events = sorted(((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    per_exec, rest = divmod(len(events), reps)
+    if per_exec == 0 or rest:
+        raise RuntimeError(f"{len(events)} GPU activities in {reps} executions: not one "
+                           "program's worth each")
+    for i in range(reps):
+        group = events[i * per_exec:(i + 1) * per_exec]
+        spans.append((max(e for _, e in group) - group[0][0]) * 1e-6)  # profiler: us
+    return wall, spans
 
 
 def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> list[dict]:
@@ -115,16 +138,20 @@ def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> l
                 if impl == "triton-rowpath":
                     launch.PROGRAMS_PER_SM = 0  # every N takes the one-program-per-row path
                 try:
-                    samples = _time_program(fn, xs, ys, reps)
+                    wall, spans = _time_program(fn, xs, ys, reps)
                 finally:
                     launch.PROGRAMS_PER_SM = saved
-                per_call = sorted(s / calls * 1e6 for s in samples)
-                q = statistics.quantiles(per_call, n=5)
+                dev = sorted(t / calls * 1e6 for t in spans)
+                host = sorted(t / calls * 1e6 for t in wall)
+                q = statistics.quantiles(dev, n=5)
                 rows.append(dict(variant=variant, op=op, n=n, v=vocab, dtype="bf16", impl=impl,
-                                 us_per_call=round(statistics.median(per_call), 2),
-                                 p20_us=round(q[0], 2), p80_us=round(q[-1], 2), calls=calls))
-                print(f"[{variant:8s}] {op:15s} n={n:<3d} {impl:15s} "
-                      f"{statistics.median(per_call):7.2f} us/call", flush=True)
+                                 us_per_call=round(statistics.median(dev), 2),
+                                 p20_us=round(q[0], 2), p80_us=round(q[-1], 2),
+                                 wall_us_per_call=round(statistics.median(host), 2),
+                                 calls=calls))
+                print(f"[{variant:11s}] {op:18s} n={n:<3d} {impl:15s} "
+                      f"device {statistics.median(dev):7.2f} us/call   "
+                      f"wall {statistics.median(host):7.2f} us/call", flush=True)
     return rows
 
 
