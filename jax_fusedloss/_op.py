@@ -152,12 +152,14 @@ _apply.defvjp(_apply_fwd, _apply_bwd)
 def apply(op: RowOp, implementation: str | None, x: jax.Array, *aux):
     """Runs `op` on `[N, V]` logits and its `[N, ...]` aux arrays with the requested
     implementation, or the best available one when None: on a CUDA GPU Triton, except for
-    few rows (`kernels.launch.auto_prefers_xla`), where XLA is measured faster; a missing
+    few rows where XLA is measured faster (`kernels.launch.auto_prefers_xla`: only through the
+    legacy custom call); a missing
     optional dependency, or what an implementation cannot do, falls through to the next."""
     if implementation is None and _triton_jax.on_cuda_gpu():
         from jax_fusedloss.kernels import launch
 
-        if launch.auto_prefers_xla(x.shape[0], x.shape[-1], op.auto_family):
+        if launch.auto_prefers_xla(x.shape[0], x.shape[-1], op.auto_family,
+                                   _triton_jax.call_kind()):
             implementation = "xla"  # measured faster for few rows (launch.AUTO_XLA_MAX_ROWS)
     return _common.dispatch_op(lambda *args: _apply(args[-1], *args[:-1]), implementation, x,
                                *aux, opts=op)

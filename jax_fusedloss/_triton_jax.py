@@ -147,6 +147,11 @@ def call_target() -> str:
     return FFI_TARGET if mode == "ffi" and version >= FFI_MIN_JAXLIB else LEGACY_TARGET
 
 
+def call_kind() -> str:
+    """"ffi" or "legacy": call_target() by the key of kernels.launch.AUTO_XLA_MAX_ROWS."""
+    return "ffi" if call_target() == FFI_TARGET else "legacy"
+
+
 @functools.lru_cache(maxsize=1)
 def _register_ffi_lowering() -> None:
     """Re-registers jax-triton's CUDA lowering so that a call whose custom_call_target_name is

@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_fusedloss as jfl  # noqa: E402
+from jax_fusedloss import _triton_jax  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 V = 128256
@@ -66,13 +67,19 @@ def test_gradients_at_large_offsets(offset, n):
         assert err < 2e-6, (name, err)
 
 
-def test_auto_dispatch_few_rows_is_xla_and_equal():
-    """implementation=None at N <= AUTO_XLA_MAX_ROWS["loss"] runs the XLA twin (no Triton
-    custom call in the compiled program) and gives the Triton path's values and gradients; the
-    reductions switch to Triton above their own (smaller) row count."""
+def test_auto_dispatch_few_rows_is_xla_and_equal(monkeypatch):
+    """Through the legacy custom call, implementation=None at N <= AUTO_XLA_MAX_ROWS["legacy"]
+    ["loss"] runs the XLA twin (no Triton custom call in the compiled program) and gives the
+    Triton path's values and gradients; the reductions switch to Triton above their own
+    (smaller) row count. Through the FFI call it runs Triton from one row."""
     from jax_fusedloss.kernels import launch
 
-    n = launch.AUTO_XLA_MAX_ROWS["loss"]
+    if _triton_jax.call_target() == _triton_jax.FFI_TARGET:
+        x1 = jnp.zeros((1, V), jnp.bfloat16)
+        for fn in (lambda a: jfl.cross_entropy(a, jnp.zeros((1,), jnp.int32)), jfl.logsumexp):
+            assert _triton_jax.FFI_TARGET in jax.jit(fn).lower(x1).compile().as_text()
+    monkeypatch.setenv("JFL_TRITON_CALL", "legacy")
+    n = launch.AUTO_XLA_MAX_ROWS["legacy"]["loss"]
     x = jax.random.normal(jax.random.key(4), (n, V), jnp.bfloat16)
     y = jax.random.randint(jax.random.key(5), (n,), 0, V)
     auto = jax.jit(jax.value_and_grad(lambda a: jfl.cross_entropy(a, y)))
@@ -81,9 +88,10 @@ def test_auto_dispatch_few_rows_is_xla_and_equal():
     big = jax.jit(lambda a: jfl.cross_entropy(a, jnp.zeros((4 * n,), jnp.int32)))
     assert "triton_kernel_call" in big.lower(jnp.zeros((4 * n, V), jnp.bfloat16)).compile(
     ).as_text()
-    few = launch.AUTO_XLA_MAX_ROWS["reductions"]
+    few = launch.AUTO_XLA_MAX_ROWS["legacy"]["reductions"]
     for rows, triton in ((few, False), (few + 1, True)):
-        lse = jax.jit(jfl.logsumexp).lower(jnp.zeros((rows, V), jnp.bfloat16)).compile()
+        lse = jax.jit(lambda a: jfl.logsumexp(a)).lower(
+            jnp.zeros((rows, V), jnp.bfloat16)).compile()
         assert ("triton_kernel_call" in lse.as_text()) == triton, rows
     loss, grad = auto(x)
     loss_t, grad_t = jax.value_and_grad(lambda a: jfl.cross_entropy(

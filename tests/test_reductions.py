@@ -13,7 +13,7 @@ import pytest
 
 import jax_fusedloss
 import torch_ref
-from jax_fusedloss import _common
+from jax_fusedloss import _common, _triton_jax
 from jax_fusedloss.kernels import launch as launch_cfg
 from jax_fusedloss.kernels import reductions as red_kernels
 from tests import opbase
@@ -294,7 +294,7 @@ def test_empty_batch_and_auto_implementation():
     assert logp.shape == ent.shape == (2, 0)
     x = random_logits(20, (3, 50), "float32")
     # None: Triton on a CUDA GPU except for few rows (measured faster on XLA), XLA elsewhere
-    few = launch_cfg.auto_prefers_xla(*x.shape, "reductions")
+    few = launch_cfg.auto_prefers_xla(*x.shape, "reductions", _triton_jax.call_kind())
     auto = "triton" if _common.default_implementation() == "triton" and not few else "xla"
     assert auto == ("triton" if HAS_GPU and not few else "xla")
     assert_close(jax_fusedloss.entropy(x), jax_fusedloss.entropy(x, implementation=auto),

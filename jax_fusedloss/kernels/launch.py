@@ -51,33 +51,37 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 SPLIT_FUSED_POLLS = 4096
 
 
-# implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin is as
-# fast or faster end to end than our kernels, because each jax-triton call is a custom call
-# launched outside XLA's command buffers (CUDA graphs) while XLA's kernels run inside them.
-# Per call inside one jitted program of 64 calls, H100, bf16, V=128256, us, Triton / XLA twin
-# (`benchmarks.fewrows`, benchmarks/results/fewrows_h100_2026-11-24.csv, at 16a598b/59185fe):
-#   N                     1      8      16     32     64     128
-#   logsumexp           25/17  17/19  21/22  21/24  23/29  30/38
-#   token_logprobs      22/17  26/21  19/25  22/28  29/34  31/47
-#   cross_entropy       49/20  51/24  52/23  54/29  49/37  52/45
-#   cross_entropy grad  39/27  45/29  46/31  31/38  45/57  63/76
-# The reductions' few-row forward later became one launch (each row's last program merges);
-# one re-run at 266cf71 (fewrows_h100_2026-11-24_onelaunch.csv), same N, Triton / XLA twin:
-#   logsumexp 19/17 19/20 23/30 16/23 22/32 29/38; token_logprobs 25/17 25/20 33/28 25/34
-#   25/34 37/49: within the run-to-run spread of the table above, so the thresholds stay.
-# (CUPTI kernel time of our path is 3-13 us of that: the rest is launch cost; cross_entropy's
-# forward adds XLA kernels around its two custom calls.) The reductions switch to Triton from
-# 16 rows; the losses keep XLA through 64 rows, where their forward alone is still 1.3x faster
-# on XLA although the gradient is 1.25x slower (a call cannot know whether it is
-# differentiated when it dispatches).
-AUTO_XLA_MAX_ROWS = {"loss": 64, "reductions": 8}
+# implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin runs
+# instead of our kernels, per custom-call target of our launches (_triton_jax.call_target).
+#
+# Through jaxlib's typed-FFI Triton call ("ffi", the default where jaxlib has it) our kernels
+# run inside XLA's command buffers (CUDA graphs) like XLA's own kernels, and Triton is faster
+# at every row count for the reductions and for the loss gradients. Device time per call (GPU
+# span of a jitted program of 64 calls / 64, CUPTI), H100, bf16, V=128256, us, Triton / XLA
+# twin / XLA formula (`benchmarks.fewrows`, benchmarks/results/fewrows_h100_2026-11-24_ffi.csv):
+#   N                   1              8              16             64             128
+#   logsumexp           4.1/4.2/5.1    4.4/6.9/7.0    5.5/9.6/8.4    10.0/16.4/16.3 15.6/26.7/26.6
+#   token_logprobs      4.2/4.4/5.3    4.5/7.9/7.4    5.6/10.7/8.8   10.3/16.9/16.1 15.8/27.0/26.2
+#   cross_entropy       5.3/4.3/5.4    9.2/8.3/11.0   10.1/10.9/9.7  14.7/17.9/17.0 20.6/28.5/27.5
+#   cross_entropy grad  6.8/8.4/9.2    11.1/13.8/15.5 13.5/17.9/21.0 27.1/34.9/60.6 44.8/57.2/114
+# (the loss forward alone is up to 1 us faster on the twin at N <= 8, its gradient 1.6-2.7 us
+# slower; a call cannot know whether it is differentiated when it dispatches: Triton).
+#
+# Through jax-triton's legacy custom call ("legacy": older jaxlibs, or JFL_TRITON_CALL=legacy)
+# every launch ends XLA's command buffer and is launched from the host on its own: the same
+# device time per call was logsumexp 12.4 (N=1) / 12.6 (8) / 15.8 (64), cross_entropy grad
+# 50 / 42 / 57 us (same run); the thresholds below came from the wall clock of such programs
+# (fewrows_h100_2026-11-24.csv: the twin's program was faster up to these row counts).
+AUTO_XLA_MAX_ROWS = {"ffi": {"loss": 0, "reductions": 0},
+                     "legacy": {"loss": 64, "reductions": 8}}
 
 
-def auto_prefers_xla(n_rows: int, vocab: int, family: str = "loss") -> bool:
+def auto_prefers_xla(n_rows: int, vocab: int, family: str = "loss", call: str = "ffi") -> bool:
     """Whether implementation=None should run the XLA twin rather than Triton on a GPU, for an
     op of `family` ("loss": cross_entropy, kd_loss, distill_loss; "reductions": logsumexp,
-    entropy, token_logprobs)."""
-    return n_rows <= AUTO_XLA_MAX_ROWS[family]
+    entropy, token_logprobs) whose kernels launch through custom call `call` ("ffi" or
+    "legacy")."""
+    return n_rows <= AUTO_XLA_MAX_ROWS[call][family]
 
 
 class RowConfig(NamedTuple):
