@@ -160,7 +160,8 @@ def _register_ffi_lowering() -> None:
     exactly as jax-triton lowers it."""
     from jax.interpreters import mlir
     from jax._src.lib.mlir import ir
-    from jax_triton import triton_lib
+
+    triton_lib = _jax_triton().triton_lib  # through _jax_triton: it keeps TRITON_CACHE_DIR
 
     legacy = functools.partial(triton_lib.triton_kernel_call_lowering,
                                triton_lib.get_cuda_backend)

@@ -89,3 +89,20 @@ def test_other_jax_triton_calls_keep_their_lowering():
         BLOCK=128))
     assert _targets(f.lower(x).compile().as_text()) == {_triton_jax.LEGACY_TARGET}
     np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(x) + 1)
+
+
+def test_launching_keeps_triton_cache_dir(tmp_path):
+    """jax-triton blanks TRITON_CACHE_DIR when first imported; every path of ours that imports
+    it (the first launch, the FFI lowering's registration) must leave the variable as it was,
+    or torch's Triton kernels in the same process fail to find their cache. In a fresh
+    process: here jax-triton is imported already."""
+    import subprocess
+    import sys
+
+    code = ("import os, jax, jax.numpy as jnp, jax_fusedloss as j; "
+            "jax.jit(lambda a: j.logsumexp(a, implementation='triton'))(jnp.ones((3, 100))); "
+            "print('CACHE=' + repr(os.environ.get('TRITON_CACHE_DIR')))")
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert f"CACHE={str(tmp_path)!r}" in out, out
