@@ -76,8 +76,9 @@ def _ops():
     }
 
 
-def _time_program(fn, xs, ys, reps: int) -> tuple[list[float], list[float]]:
-    """(wall seconds per execution of the program, device span seconds per execution).
+def time_program(fn, inputs, reps: int) -> tuple[list[float], list[float]]:
+    """Jits `[fn(*args) for args in inputs]` (one call per tuple of arrays in `inputs`):
+    (wall seconds per execution of the program, device span seconds per execution).
 
     The wall clock includes the host's dispatch of a program with 2 x calls arguments, which
     at few rows is longer than the GPU work (about 1 ms against 0.3 ms for 64 logsumexp calls
@@ -89,19 +90,19 @@ def _time_program(fn, xs, ys, reps: int) -> tuple[list[float], list[float]]:
 
     # Separate arguments, not slices of one stacked array: a custom call's operand sliced out of
     # a bigger buffer is copied first (XLA fuses a slice only into its own kernels).
-    f = jax.jit(lambda xs, ys: [fn(x, y) for x, y in zip(xs, ys)])
-    jax.block_until_ready(f(xs, ys))
+    f = jax.jit(lambda inputs: [fn(*args) for args in inputs])
+    jax.block_until_ready(f(inputs))
     for _ in range(3):
-        jax.block_until_ready(f(xs, ys))
+        jax.block_until_ready(f(inputs))
     wall = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(xs, ys))
+        jax.block_until_ready(f(inputs))
         wall.append(time.perf_counter() - t0)
     spans = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            jax.block_until_ready(f(xs, ys))
+            jax.block_until_ready(f(inputs))
     events = sorted(((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type.name == "CUDA"), key=lambda t: t[0])
     per_exec, rest = divmod(len(events), reps)
@@ -138,7 +139,7 @@ def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> l
                 if impl == "triton-rowpath":
                     launch.PROGRAMS_PER_SM = 0  # every N takes the one-program-per-row path
                 try:
-                    wall, spans = _time_program(fn, xs, ys, reps)
+                    wall, spans = time_program(fn, list(zip(xs, ys)), reps)
                 finally:
                     launch.PROGRAMS_PER_SM = saved
                 dev = sorted(t / calls * 1e6 for t in spans)

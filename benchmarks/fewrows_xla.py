@@ -8,7 +8,9 @@ the upcast, the baseline), `onepass` (the twin's one variadic reduction,
 _xla/chunks.one_pass_stats), `two_msB` / `two_opB` (rows reshaped to [N, B, V/B]: max + sum
 exp, or the one-pass reduction, over V/B, then B partials merged) and `triton` (our kernels
 through jax-triton). Two rounds in opposite orders; the summary is their mean, as a ratio to
-`formula`. Result on H100 (2026-11-24): benchmarks/results/fewrows_xla_h100.txt.
+`formula`. Result on H100 (2026-11-24): benchmarks/results/fewrows_xla_h100.txt, measured
+with the wall clock of the program (mostly its host dispatch at these sizes) before
+benchmarks.fewrows switched to the device span; not re-run since.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def main(argv=None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.fewrows import _time_program
+    from benchmarks.fewrows import time_program
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, default=128256)
@@ -82,8 +84,8 @@ def main(argv=None) -> None:
             for name in (list(fns) if rnd == 0 else list(reversed(fns))):
                 fn = fns[name]
                 err = float(jnp.abs(fn(xs[0]) - ref).max())
-                t = sorted(s / args.calls * 1e6
-                           for s in _time_program(lambda x, y: fn(x), xs, xs, args.reps))
+                _, spans = time_program(fn, [(x,) for x in xs], args.reps)
+                t = sorted(s / args.calls * 1e6 for s in spans)  # device time per call
                 res.setdefault((n, name), []).append(statistics.median(t))
                 print(f"round {rnd} n={n:<3d} {name:10s} {statistics.median(t):7.2f} us/call  "
                       f"err {err:.1e}", flush=True)

@@ -277,6 +277,40 @@ class JaxWorker(Worker):
     def implementations(self, p: shapes.Problem) -> tuple[dict[str, Callable], list[str]]:
         return self.impls_mod.implementations(p.op, p.dtype, self.names, self.on_gpu)
 
+    def run_problem(self, p: shapes.Problem) -> int:
+        done = super().run_problem(p)
+        if self.on_gpu and not self.smoke and shapes.in_program(p):
+            done += self.run_in_program(p)
+        return done
+
+    def run_in_program(self, p: shapes.Problem) -> int:
+        """Rows of mode PROGRAM_MODE: the device time per call of a jitted program of
+        PROGRAM_CALLS calls on distinct inputs (CUPTI span / calls, benchmarks.fewrows), for
+        ours and the jnp_fp32 baseline. A few-row call's host-clock row above is mostly JAX's
+        dispatch of its program, not what the op costs inside a training step."""
+        from benchmarks import fewrows
+
+        impls, _ = self.implementations(p)
+        inputs = [self.make_inputs(p, 1000 + i, None) for i in range(shapes.PROGRAM_CALLS)]
+        done = 0
+        for name in ("jax_fusedloss", "jnp_fp32"):
+            if name not in impls:
+                continue
+            fn = impls[name]
+            try:
+                _, spans = fewrows.time_program(lambda *a, fn=fn: fn(*a), inputs, reps=10)
+            except Exception as e:  # noqa: BLE001 - one failing case never stops the run
+                print(f"[jax] {p.op} {shapes.PROGRAM_MODE} N={p.n} {name}: skipped "
+                      f"({type(e).__name__}: {str(e)[:200]})", flush=True)
+                continue
+            stats = timing.summarize([s / shapes.PROGRAM_CALLS for s in spans])
+            self.sink.write(self.row(p._replace(mode=shapes.PROGRAM_MODE), name, stats, None))
+            done += 1
+            print(f"[jax] {p.op} {shapes.PROGRAM_MODE} {p.dtype} N={p.n} V={p.v} {name}: "
+                  f"{stats.median_ms * 1e3:.2f} us per call in a program of "
+                  f"{shapes.PROGRAM_CALLS}", flush=True)
+        return done
+
     def make_inputs(self, p: shapes.Problem, seed: int, logits) -> tuple:
         return self.impls_mod.make_inputs(p, seed, logits)
 

@@ -18,6 +18,11 @@ TARGET_N, TARGET_V = 8192, VOCABS["llama3"]
 # logsumexp's few-row target (against jax.nn.logsumexp) is stated for these token counts at
 # TARGET_V (its bandwidth target for N >= 1024).
 LSE_SMALL_N = (1, 8, 64)
+# At those token counts the JAX worker also times the op as a user gets it inside a jitted
+# program: device time per call of PROGRAM_CALLS calls on distinct inputs (rows of this mode).
+PROGRAM_MODE = "fwd_in_program"
+PROGRAM_CALLS = 64
+PROGRAM_OPS = ("logsumexp", "token_logprobs")
 
 COLUMNS = ("op", "impl", "mode", "n", "v", "k", "dtype", "median_ms", "p20_ms", "p80_ms",
            "peak_bytes", "floor_ms", "device", "versions", "commit", "date")
@@ -52,6 +57,12 @@ def is_target(op: str, mode: str, n: int, v: int, dtype: str) -> bool:
     if n == TARGET_N:
         return True
     return op == "logsumexp" and mode == "fwd"  # its bandwidth and latency targets, any N
+
+
+def in_program(p: "Problem") -> bool:
+    """Whether the JAX worker adds PROGRAM_MODE rows for problem `p`."""
+    return (p.op in PROGRAM_OPS and p.mode == "fwd" and p.v == TARGET_V
+            and p.n in LSE_SMALL_N and p.dtype == "bf16")
 
 
 def _k(op: str) -> int:
