@@ -17,8 +17,8 @@ cross-entropy statistics, row finish and (a, b, c) are kernels/_ce_core.py's, as
 kernels/cross_entropy.py. A row walks its vocabulary once for the statistics; the gradient pass
 writes the dense part tile by tile (backwards, for L2 reuse; one FMA and one exp2 per column
 and term, no per-column label test), then, after a barrier, stores the K id columns and the
-label column with their complete values, computed from scratch in float32 before the dense
-part (duplicate ids get identical values).
+label column with their complete values computed from scratch in float32 (duplicate ids get
+identical values).
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS) so JAX (jax-triton) and PyTorch
 launch them identically. Imports triton only.
@@ -151,19 +151,15 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
     softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) at an
     id = exp((z - r_L) / T - lg_L)).
 
-    1. The complete value at each valid teacher id, from scratch in float32: entries sharing
-       an id sum their p (and, for "topk", count their q) through a [BLOCK_K, K_CHUNK]
-       comparison per step, so all of them store the same value; and the label column
-       (distill) when it is not a teacher id: dense value - b. Computed first and held in
-       registers: their loads (ids, the logits gathered at them) would otherwise sit on the
-       row's critical path after its last dense tile.
-    2. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile (_online's
+    1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile (_online's
        aligned tile walk: the edge tile first, then the vector span), walking backwards (the
        tiles the statistics pass read last are the likeliest to be in L2: the partial last
        tile, then whole tiles without masks); zeros without a load when there is none
        ("topk" kd_loss).
-    3. After a barrier (the id columns overwrite dense values written by other threads), the
-       stores of step 1.
+    2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
+       entries sharing an id sum their p (and, for "topk", count their q) through a
+       [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
+    3. The label column (distill) when it is not a teacher id: dense value - b.
     Every column is multiplied by dz/dx with a softcap.
     """
     off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
@@ -171,7 +167,23 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     x_row = x_ptr + x_off
     grad_row_ptr = g_ptr + g_off
-    # 1. the id columns and the label column, into registers
+    k0, k1, lo = vector_span(x_off, start, stop, ALIGN, VEC)
+    if ALIGN < VEC:
+        cols, mask = edge_tile(start, stop, lo, k1, VEC)
+        _dense_tile(x_row, grad_row_ptr, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp,
+                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
+    xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
+    gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
+    n_full = (k1 - k0) // BLOCK_V
+    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+        t = k + tl.arange(0, BLOCK_V)
+        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
+    for i in range(0, n_full):
+        t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
+        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
     ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p = tl.zeros([BLOCK_K], tl.float32)
@@ -192,9 +204,9 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
     if HAS_SOFTCAP:
         g = g * dzk
     own = valid & (ids >= start) & (ids < stop)
+    tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
-        # -1 (no store) when the row is inactive or the label is a teacher id (stored with
-        # the ids).
+        # -1 (no store) when the row is inactive or the label is a teacher id (stored above).
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
@@ -203,27 +215,6 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
                           KD_STATS, False, HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
             gy = gy * dzy
-    # 2. the dense part
-    k0, k1, lo = vector_span(x_off, start, stop, ALIGN, VEC)
-    if ALIGN < VEC:
-        cols, mask = edge_tile(start, stop, lo, k1, VEC)
-        _dense_tile(x_row, grad_row_ptr, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp,
-                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
-    xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
-    gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
-    n_full = (k1 - k0) // BLOCK_V
-    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
-        t = k + tl.arange(0, BLOCK_V)
-        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
-    for i in range(0, n_full):
-        t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
-        _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
-    # 3. the columns of step 1 over the dense values
-    tl.debug_barrier()
-    tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
-    if DISTILL:
         tl.store(grad_row_ptr + tl.where(own_y, y, 0), gy.to(grad_row_ptr.dtype.element_ty),
                  mask=own_y)
 
