@@ -1,0 +1,36 @@
+"""How implementation=None and the GPU launch path are chosen (no GPU needed): the custom-call
+target of our jax-triton launches (_triton_jax.call_target) and the few-row table per target
+(kernels.launch.AUTO_XLA_MAX_ROWS)."""
+from __future__ import annotations
+
+import jaxlib
+import pytest
+
+from jax_fusedloss import _triton_jax
+from jax_fusedloss.kernels import launch
+
+
+def _jaxlib_has_ffi_call() -> bool:
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:3] if p.isdigit())
+    return version >= _triton_jax.FFI_MIN_JAXLIB
+
+
+def test_call_target_follows_the_environment_and_jaxlib(monkeypatch):
+    monkeypatch.setenv("JFL_TRITON_CALL", "legacy")
+    assert _triton_jax.call_target() == _triton_jax.LEGACY_TARGET
+    assert _triton_jax.call_kind() == "legacy"
+    monkeypatch.delenv("JFL_TRITON_CALL")
+    want = _triton_jax.FFI_TARGET if _jaxlib_has_ffi_call() else _triton_jax.LEGACY_TARGET
+    assert _triton_jax.call_target() == want
+    monkeypatch.setenv("JFL_TRITON_CALL", "graph")
+    with pytest.raises(ValueError, match="JFL_TRITON_CALL must be 'ffi' or 'legacy'"):
+        _triton_jax.call_target()
+
+
+@pytest.mark.parametrize("family,legacy_rows", [("loss", 64), ("reductions", 8)])
+def test_few_row_table(family, legacy_rows):
+    for n in (1, 8, 64, 4096):
+        assert not launch.auto_prefers_xla(n, 128256, family, "ffi"), n
+    assert launch.auto_prefers_xla(1, 128256, family, "legacy")
+    assert launch.auto_prefers_xla(legacy_rows, 128256, family, "legacy")
+    assert not launch.auto_prefers_xla(legacy_rows + 1, 128256, family, "legacy")
