@@ -26,9 +26,8 @@ def measure(op: str, dtype: str, vocab: int, n: int, calls: int = 12, samples: i
     """(host ms per call, device span ms per call, median gap between executions in us,
     {GPU activity: median us})."""
     import jax
-    from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks import jax_impls
+    from benchmarks import jax_impls, timing
 
     p = shapes.Problem(op, "fwd_bwd", n, vocab, shapes.KD_K if op == "kd_loss" else 0, dtype, 0)
     inputs = jax_impls.make_inputs(p, 0)
@@ -45,25 +44,23 @@ def measure(op: str, dtype: str, vocab: int, n: int, calls: int = 12, samples: i
         host.append((time.perf_counter() - start) / calls)
         del out
     rounds = 3
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run():
         for _ in range(rounds):
             for _ in range(calls):
                 out = f(*inputs)
             jax.block_until_ready(out)
             del out
-    events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                     if e.device_type.name == "CUDA"), key=lambda t: t[0])
-    per_exec, rest = divmod(len(events), rounds * calls)
-    if per_exec == 0 or rest:
-        raise RuntimeError(f"{len(events)} GPU activities in {rounds * calls} executions")
-    spans, gaps, acts = [], [], {}
-    for i in range(rounds * calls):
-        group = events[i * per_exec:(i + 1) * per_exec]
-        spans.append(max(e for _, e, _ in group) - group[0][0])
-        if i % calls:
-            gaps.append(group[0][0] - events[i * per_exec - 1][1])
-        for s, e, name in group:
-            acts.setdefault(name[:40], []).append(e - s)
+
+    groups = timing.executions(timing.gpu_activities(run), rounds * calls)
+    spans = [timing.span_us(g) for g in groups]
+    # between consecutive programs of one round (each round ends with a sync)
+    gaps = [groups[i][0][0] - groups[i - 1][-1][1]
+            for i in range(len(groups)) if i % calls]
+    acts = {}
+    for g in groups:
+        for start, end, name in g:
+            acts.setdefault(name[:40], []).append(end - start)
     return (statistics.median(host) * 1e3, statistics.median(spans) * 1e-3,
             statistics.median(gaps), {k: statistics.median(v) for k, v in acts.items()})
 

@@ -86,7 +86,8 @@ def time_program(fn, inputs, reps: int) -> tuple[list[float], list[float]]:
     from CUPTI (torch's profiler sees JAX's kernels too): first GPU activity (kernel, copy or
     memset) of an execution to the end of its last, launch gaps between the calls included."""
     import jax
-    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import timing
 
     # Separate arguments, not slices of one stacked array: a custom call's operand sliced out of
     # a bigger buffer is copied first (XLA fuses a slice only into its own kernels).
@@ -99,20 +100,13 @@ def time_program(fn, inputs, reps: int) -> tuple[list[float], list[float]]:
         t0 = time.perf_counter()
         jax.block_until_ready(f(inputs))
         wall.append(time.perf_counter() - t0)
-    spans = []
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run():
         for _ in range(reps):
             jax.block_until_ready(f(inputs))
-    events = sorted(((e.time_range.start, e.time_range.end) for e in prof.events()
-                     if e.device_type.name == "CUDA"), key=lambda t: t[0])
-    per_exec, rest = divmod(len(events), reps)
-    if per_exec == 0 or rest:
-        raise RuntimeError(f"{len(events)} GPU activities in {reps} executions: not one "
-                           "program's worth each")
-    for i in range(reps):
-        group = events[i * per_exec:(i + 1) * per_exec]
-        spans.append((max(e for _, e in group) - group[0][0]) * 1e-6)  # profiler: us
-    return wall, spans
+
+    groups = timing.executions(timing.gpu_activities(run), reps)
+    return wall, [timing.span_us(g) * 1e-6 for g in groups]
 
 
 def worker(variant: str, ns, vocab: int, calls: int, reps: int, ops, impls) -> list[dict]:

@@ -185,3 +185,29 @@ def copy_bandwidth_torch(nbytes: int, cuda: bool, smoke: bool = False) -> float:
     if cuda:
         torch.cuda.empty_cache()
     return moved / (stats.median_ms * 1e-3)
+
+
+def gpu_activities(run: Callable[[], Any]) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU activity (kernel, copy, memset) while `run()`
+    executes, sorted by start: CUPTI through torch's profiler, which sees JAX's kernels too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    return sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type.name == "CUDA"), key=lambda t: t[0])
+
+
+def executions(activities: list, count: int) -> list[list]:
+    """Splits the activities of `count` executions of one program (each runs the same number
+    of GPU activities, one after another) into one group per execution."""
+    per_exec, rest = divmod(len(activities), count)
+    if per_exec == 0 or rest:
+        raise RuntimeError(f"{len(activities)} GPU activities in {count} executions: not one "
+                           "program's worth each")
+    return [activities[i * per_exec:(i + 1) * per_exec] for i in range(count)]
+
+
+def span_us(group: list) -> float:
+    """First start to last end of a group of (start us, end us, ...) activities."""
+    return max(a[1] for a in group) - group[0][0]

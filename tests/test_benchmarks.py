@@ -233,3 +233,16 @@ def test_run_help_describes_every_option(capsys):
     for option, words in (("--ops", "comma-separated ops"), ("--modes", "fwd_bwd (loss"),
                           ("--frameworks", "which workers run"), ("--cpu-smoke", "plumbing")):
         assert option in text and words in text, (option, text)
+
+
+def test_gpu_activities_split_into_executions():
+    from benchmarks import timing
+
+    acts = [(0.0, 2.0, "a"), (1.0, 5.0, "b"), (10.0, 11.0, "a"), (12.0, 13.0, "b")]
+    groups = timing.executions(acts, 2)
+    assert groups == [acts[:2], acts[2:]]
+    assert [timing.span_us(g) for g in groups] == [5.0, 3.0]
+    with pytest.raises(RuntimeError, match="3 GPU activities in 2 executions"):
+        timing.executions(acts[:3], 2)
+    with pytest.raises(RuntimeError, match="0 GPU activities"):
+        timing.executions([], 1)

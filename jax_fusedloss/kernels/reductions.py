@@ -145,18 +145,18 @@ def _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
 @triton.jit
 def _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ENTROPY: tl.constexpr,
-                   HAS_LABEL: tl.constexpr, CACHE: tl.constexpr):
-    """Merges a row's NUM_SPLITS partials and finishes the row (CACHE: the loads' cache
-    modifier, ".cg" for partials other programs of the same launch wrote)."""
+                   HAS_LABEL: tl.constexpr):
+    """Merges a row's NUM_SPLITS partials and finishes the row (the partials were written by
+    other programs of the same launch: .cg loads, never a stale L1 line)."""
     base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (m, s, u, z[y])
-    m, s, u = _merge_partials(load_field(base, valid, 0, True, CACHE),
-                              load_field(base, valid, 1, False, CACHE),
-                              load_field(base, valid, 2, False, CACHE))
+    m, s, u = _merge_partials(load_field(base, valid, 0, True, ".cg"),
+                              load_field(base, valid, 1, False, ".cg"),
+                              load_field(base, valid, 2, False, ".cg"))
     label = -1
     zy = tl.zeros([], tl.float32)
     if HAS_LABEL:
         label = tl.load(labels_ptr + row).to(tl.int32)
-        zy = tl.sum(load_field(base, valid, 3, False, CACHE), axis=0)
+        zy = tl.sum(load_field(base, valid, 3, False, ".cg"), axis=0)
     _red_finish(row, m, s, u, zy, label, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr, HAS_ENTROPY,
                 HAS_LABEL)
 
@@ -203,7 +203,7 @@ def red_fwd_kernel(
         if MERGE:
             if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
-                               NUM_SPLITS, BLOCK_S, HAS_ENTROPY, HAS_LABEL, ".cg")
+                               NUM_SPLITS, BLOCK_S, HAS_ENTROPY, HAS_LABEL)
 
 
 @triton.jit
@@ -310,8 +310,9 @@ def red_fwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_labe
     """x[, y] -> lse, ent, logp, lse_lo (ent and logp are 1-element placeholders unless asked
     for; lse_lo is the low part of the log-sum-exp, _online.lse_parts, for red_bwd_plan).
     Many rows: one program per row; few rows: partials per vocabulary slice, merged by each
-    row's last program in the same launch (one launch: a second one, a merge, cost ~8 us more
-    per call inside a jitted program on H100)."""
+    row's last program in the same launch (instead of a second, merge launch; the two forms
+    measured within run-to-run spread of each other on H100 through the legacy custom call,
+    benchmarks/results/fewrows_h100_2026-11-24_onelaunch.csv)."""
     cfg = reduction_config(n, vocab, num_sms)
     flags = dict(HAS_ENTROPY=entropy, HAS_LABEL=has_label)
     outs = (Buf("lse", (n,), "float32"),
