@@ -31,7 +31,7 @@ from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
-from jax_fusedloss.kernels.launch import merge_block, row_config
+from jax_fusedloss.kernels.launch import KD_IDS_LATER, KD_IDS_WARPS, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
@@ -141,37 +141,28 @@ def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_
 
 
 @triton.jit
-def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, label, r, lg_x,
-                r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
-                EVICTION: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
-                BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
-                FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """Writes the unit-cotangent gradient of columns [start, stop) of one row, from the row's
-    softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) at an
-    id = exp((z - r_L) / T - lg_L)).
-
-    1. The dense part, a * softmax(z) + coef_s * softmax(s) - c, tile by tile (_online's
-       aligned tile walk: the edge tile first, then the vector span), walking backwards (the
-       tiles the statistics pass read last are the likeliest to be in L2: the partial last
-       tile, then whole tiles without masks); zeros without a load when there is none
-       ("topk" kd_loss).
-    2. After a barrier, the complete value at each valid teacher id, from scratch in float32:
-       entries sharing an id sum their p (and, for "topk", count their q) through a
-       [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value.
-    3. The label column (distill) when it is not a teacher id: dense value - b.
-    Every column is multiplied by dz/dx with a softcap.
-    """
+def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_temp, softcap,
+                 start, stop, EVICTION: tl.constexpr, BLOCK_V: tl.constexpr,
+                 ALIGN: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
+                 KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_SMOOTHING: tl.constexpr):
+    """Writes the dense part of the unit-cotangent gradient of columns [start, stop) of one row,
+    a * softmax(z) + coef_s * softmax(s) - c (times dz/dx with a softcap), from the row's
+    softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) =
+    exp((z - r) / T - lg_L)), tile by tile (_online's aligned tile walk: the edge tile first,
+    then the vector span), walking backwards (the tiles the statistics pass read last are the
+    likeliest to be in L2: the partial last tile, then whole tiles without masks); zeros
+    without a load when there is none ("topk" kd_loss). The id and label columns are
+    _write_ids'."""
     off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
                                                 KD_STATS)
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
-    x_row = x_ptr + x_off
-    grad_row_ptr = g_ptr + g_off
     k0, k1, lo = vector_span(x_off, start, stop, ALIGN, VEC)
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
-        _dense_tile(x_row, grad_row_ptr, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp,
-                    softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
+        _dense_tile(x_ptr + x_off, g_ptr + g_off, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c,
+                    inv_temp, softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
+                    True)
     xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
     gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
     n_full = (k1 - k0) // BLOCK_V
@@ -183,9 +174,22 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
         t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
                     EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
-    tl.debug_barrier()  # the id columns below overwrite dense values written by other threads
-    ids, valid, _lp, p = _entries(ids_ptr, lp_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
-    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+
+
+@triton.jit
+def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, ids, valid, p,
+               zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
+               BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr,
+               DISTILL: tl.constexpr, KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr):
+    """Overwrites the columns of one row's gradient that _write_dense got wrong, those in
+    [start, stop), with their complete values computed from scratch in float32:
+    1. each valid teacher id (`ids`, `valid`, `p` from _entries, `zk`, `dzk` from _gather):
+       entries sharing an id sum their p (and, for "topk", count their q) through a
+       [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value;
+    2. the label column (distill) when it is not a teacher id: dense value - b.
+    Every column is multiplied by dz/dx with a softcap. The dense values must be visible
+    first (a barrier in the same program, or an earlier launch)."""
     sum_p = tl.zeros([BLOCK_K], tl.float32)
     count = tl.zeros([BLOCK_K], tl.float32)
     for j in range(0, K, K_CHUNK):
@@ -206,6 +210,8 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
     own = valid & (ids >= start) & (ids < stop)
     tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
+        off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
+                                                    KD_STATS)
         # -1 (no store) when the row is inactive or the label is a teacher id (stored above).
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
@@ -217,6 +223,24 @@ def _write_grad(x_ptr, x_off, g_ptr, g_off, ids_ptr, lp_ptr, row, V, K, active, 
             gy = gy * dzy
         tl.store(grad_row_ptr + tl.where(own_y, y, 0), gy.to(grad_row_ptr.dtype.element_ty),
                  mask=own_y)
+
+
+@triton.jit
+def _topk_softmax(zk, valid, inv_temp):
+    """("topk") (L, r_L, s_L): the log-sum-exp of s = z / T over the valid ids (not poisoned),
+    their max of z and sum exp((z - r_L) / T)."""
+    zv = tl.where(valid, zk, float("-inf"))
+    mk = tl.max(zv, axis=0)
+    r_L = safe_max(mk)
+    s_L = tl.sum(tl.math.exp2((zv - r_L) * (inv_temp * LOG2E)), axis=0)
+    return scaled_lse(mk, s_L, inv_temp), r_L, s_L
+
+
+@triton.jit
+def _kd_sum(zk, lp, p, r_L, lg_L, inv_temp):
+    """The row's KD term: sum over entries with p > 0 of p * (lp - (s[id] - L))."""
+    log_q = (zk - r_L) * inv_temp - lg_L  # s[id] - L
+    return tl.sum(tl.where(p == 0.0, 0.0, p * (lp - log_q)), axis=0)
 
 
 @triton.jit
@@ -233,7 +257,7 @@ def kd_fwd_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGN: tl.constexpr, PREFETCH: tl.constexpr, IDS_LATER: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
     path, _ce_core.slice_stats' per-thread walk, PREFETCH as there; with WRITE_GRAD also the
@@ -241,12 +265,19 @@ def kd_fwd_kernel(
 
     With WRITE_GRAD the statistics pass asks the caches to keep its lines (evict_last) so the
     gradient pass re-reads the row from L2 more often.
+
+    IDS_LATER (with WRITE_GRAD): everything that gathers at the teacher's ids is left to
+    kd_ids_kernel, launched next: the KD term of the loss (`loss` holds the cross-entropy
+    part), ("topk") stats fields 1, 7, 8, and the gradient's id and label columns (`grad`
+    holds the dense part). P (field 2) is stored here: the dense part needs it.
     """
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     x_row = logits_ptr + row * stride_row
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    # The teacher's entries first: contiguous loads whose latency the walk hides.
+    ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     s_kd = tl.zeros([], tl.float32)
@@ -270,31 +301,28 @@ def kd_fwd_kernel(
     L = scaled_lse(m, s_kd, inv_temp)
     r_L = r
     s_L = s_kd
-    ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
-    zk, _ = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     if FULL:
         if not KD_STATS:
             L = lse_x
             s_L = s
-    else:
-        zv = tl.where(valid, zk, float("-inf"))
-        mk = tl.max(zv, axis=0)
-        r_L = safe_max(mk)
-        s_L = tl.sum(tl.math.exp2((zv - r_L) * (inv_temp * LOG2E)), axis=0)
-        L = scaled_lse(mk, s_L, inv_temp)
+    zk = tl.zeros([BLOCK_K], tl.float32)
+    if not IDS_LATER:
+        zk, _ = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+        if not FULL:
+            L, r_L, s_L = _topk_softmax(zk, valid, inv_temp)
     # NaN/+inf policy: a NaN or +inf logit in the row gives NaN statistics (poison_inf), so
-    # the loss and (through the offsets of _write_grad) the gradient row are NaN; an entry with
-    # p == 0 adds nothing, but a NaN teacher log-prob gives a NaN term.
+    # the loss and (through the offsets of _write_dense) the gradient row are NaN; an entry
+    # with p == 0 adds nothing, but a NaN teacher log-prob gives a NaN term.
     lse_x = poison_inf(lse_x)
     L = poison_inf(L)
     lg_x = _log_sum(s, lse_x)
     lg_L = _log_sum(s_L, L)
-    log_q = (zk - r_L) * inv_temp - lg_L  # s[id] - L
-    kd = tl.sum(tl.where(p == 0.0, 0.0, p * (lp - log_q)), axis=0)
     P = tl.sum(p, axis=0)
     ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
     kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
-    loss = kd_a * kd
+    loss = tl.zeros([], tl.float32)
+    if not IDS_LATER:
+        loss = kd_a * _kd_sum(zk, lp, p, r_L, lg_L, inv_temp)
     a = 0.0
     b = 0.0
     c = 0.0
@@ -318,10 +346,71 @@ def kd_fwd_kernel(
     tl.store(out + 7, r_L)
     tl.store(out + 8, lg_L)
     if WRITE_GRAD:
-        _write_grad(logits_ptr, row * stride_row, grad_ptr, row * V, ids_ptr, logprobs_ptr, row,
-                    V, K, active, label, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap,
-                    0, V, "evict_first", BLOCK_V, ALIGN, BLOCK_K, K_CHUNK, FULL, DISTILL,
-                    KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+        _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c,
+                     kd_a, inv_temp, softcap, 0, V, "evict_first", BLOCK_V, ALIGN, FULL,
+                     DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+        if not IDS_LATER:
+            tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
+            zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+            _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active,
+                       label, ids, valid, p, zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a,
+                       inv_temp, softcap, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS,
+                       HAS_SOFTCAP, HAS_SMOOTHING)
+
+
+@triton.jit
+def kd_ids_kernel(
+    # pointers: logits [N, V], ids / logprobs [N, K], labels [N], then kd_fwd_kernel's
+    # outputs loss [N], stats [N, STATS_FIELDS], grad [N, V], each aliased to the output of
+    # the same name
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, loss_in_ptr, stats_in_ptr, grad_in_ptr,
+    # sizes, strides, options
+    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
+    # outputs (in place)
+    loss_ptr, stats_ptr, grad_ptr,
+    # constexprs
+    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
+    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid (N,), after kd_fwd_kernel with IDS_LATER, in place: a row's work at its teacher
+    ids. ("topk") the softmax over the ids into stats fields 1, 7, 8; the KD term added to
+    the loss; the gradient's id and label columns written over the dense part (_write_ids).
+
+    A launch of its own rather than the tail of the row walk: that walk runs one 1024-thread
+    program per SM, so its few dependent round trips per row (ids, the logits gathered there,
+    the stores) stalled the whole SM; here many small programs per SM overlap them."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = logits_ptr + row * stride_row
+    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
+    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    st = stats_in_ptr + row * STATS_FIELDS
+    if FULL:
+        r_L = tl.load(st + 7)
+        lg_L = tl.load(st + 8)
+    else:
+        L, r_L, s_L = _topk_softmax(zk, valid, inv_temp)
+        L = poison_inf(L)
+        lg_L = _log_sum(s_L, L)
+        out = stats_ptr + row * STATS_FIELDS
+        tl.store(out + 1, L)
+        tl.store(out + 7, r_L)
+        tl.store(out + 8, lg_L)
+    kd_a = tl.load(st + 4)
+    tl.store(loss_ptr + row,
+             tl.load(loss_in_ptr + row) + kd_a * _kd_sum(zk, lp, p, r_L, lg_L, inv_temp))
+    a = 0.0
+    b = 0.0
+    c = 0.0
+    if DISTILL:
+        a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
+    _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
+               valid, p, zk, dzk, tl.load(st + 5), tl.load(st + 6), r_L, lg_L, tl.load(st + 2),
+               a, b, c, kd_a, inv_temp, softcap, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL,
+               KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -380,11 +469,19 @@ def kd_bwd_kernel(
     c = 0.0
     if DISTILL:
         a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
-    _write_grad(logits_ptr, row * stride_row, grad_ptr, row * V, ids_ptr, logprobs_ptr, row, V,
-                K, active, label, tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
-                tl.load(st + 8), tl.load(st + 2), a, b, c, tl.load(st + 4), inv_temp, softcap,
-                start, stop, "", BLOCK_V, ALIGN, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS,
-                HAS_SOFTCAP, HAS_SMOOTHING)
+    r, lg_x, r_L, lg_L, P, kd_a = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
+                                   tl.load(st + 8), tl.load(st + 2), tl.load(st + 4))
+    _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c, kd_a,
+                 inv_temp, softcap, start, stop, "", BLOCK_V, ALIGN, FULL, DISTILL, KD_STATS,
+                 HAS_SOFTCAP, HAS_SMOOTHING)
+    tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
+    x_row = logits_ptr + row * stride_row
+    ids, valid, _lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
+    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
+               valid, p, zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap,
+               start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
+               HAS_SMOOTHING)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int,
@@ -413,14 +510,15 @@ def needs_vocab_pass(flags: dict) -> bool:
 # ----------------------------------------------------------------------------- launch plans
 def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: str,
                 distill: bool, ignore_index: int, num_sms: int, write_grad: bool,
-                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None
-                ) -> Plan:
+                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                ids_later: bool | None = None) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad). Many rows: one program per row walks the
-    vocabulary once and writes the gradient; few rows: partials per vocabulary slice (when the
-    options need a vocabulary walk), one program per row merges them, then a split gradient
-    pass. smoothing and z_loss apply to distill's cross-entropy term, softcap to the logits
-    both terms see."""
+    vocabulary once and writes the gradient, then (ids_later, default launch.KD_IDS_LATER)
+    kd_ids_kernel does the work at the teacher's ids; few rows: partials per vocabulary slice
+    (when the options need a vocabulary walk), one program per row merges them, then a split
+    gradient pass. smoothing and z_loss apply to distill's cross-entropy term, softcap to the
+    logits both terms see."""
     cfg = row_config(n, vocab, num_sms, write_grad)
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
     inv_temp = 1.0 / temperature
@@ -438,6 +536,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
                  CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"],
                  HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"])))
     write_here = write_grad and fused
+    later = write_here and (KD_IDS_LATER if ids_later is None else ids_later)
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     launches.append(Launch(
         kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
@@ -445,7 +544,13 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
         cfg.num_warps if fused else 4,
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align,
-             PREFETCH=cfg.prefetch and write_here, **flags)))
+             PREFETCH=cfg.prefetch and write_here, IDS_LATER=later, **flags)))
+    if later:
+        launches.append(Launch(
+            kd_ids_kernel, (n,), ("x", "ids", "lp", "y", "loss", "stats", "grad"), scalars,
+            (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"),
+             Buf("grad", (n, vocab), LOGITS)), KD_IDS_WARPS, dict(ALIGN=cfg.align, **flags),
+            aliases=((4, 0), (5, 1), (6, 2))))
     if write_grad and not fused:
         launches.append(kd_bwd_launch(n, vocab, k, scalars, flags, cfg))
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))

@@ -49,7 +49,11 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
-
+# kd_loss / distill_loss over many rows: the work at the teacher's ids (gathers, duplicate
+# scan, id-column stores) runs as a launch of its own (kernels/kd.kd_ids_kernel) after the
+# fused row walk, with this many warps a row.
+KD_IDS_LATER = True
+KD_IDS_WARPS = 2
 
 # implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin runs
 # instead of our kernels, per custom-call target of our launches (_triton_jax.call_target).
