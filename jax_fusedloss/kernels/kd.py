@@ -57,12 +57,15 @@ def _row_state(labels_ptr, row, V, ignore_index, DISTILL: tl.constexpr):
 
 @triton.jit
 def _entries(ids_ptr, lp_ptr, row, V, K, active, kk):
-    """Teacher entries kk of a row: (ids, valid, lp, p); invalid lanes are never loaded."""
+    """Teacher entries kk of a row: (ids, valid, lp, p), lp and p zero where not valid. Both
+    loads are issued together (lp is masked by kk < K only, not by the ids' validity, which
+    would make it wait for the ids)."""
     ids = tl.load(ids_ptr + row * K + kk, mask=kk < K, other=-1)
+    lp = tl.load(lp_ptr + row * K + kk, mask=kk < K, other=0.0).to(tl.float32)
     # An inactive row has an empty id range. (`vector & scalar_bool` would be shorter, but
     # Triton 3.9's interpreter then rejects the result as a load mask.)
     valid = (ids >= 0) & (ids < tl.where(active, V, 0))
-    lp = tl.load(lp_ptr + row * K + kk, mask=valid, other=0.0).to(tl.float32)
+    lp = tl.where(valid, lp, 0.0)
     return ids, valid, lp, tl.where(valid, tl.exp(lp), 0.0)
 
 
@@ -208,15 +211,18 @@ def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, i
     if HAS_SOFTCAP:
         g = g * dzk
     own = valid & (ids >= start) & (ids < stop)
-    tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
-        off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
-                                                    KD_STATS)
-        # -1 (no store) when the row is inactive or the label is a teacher id (stored above).
+        # The label column's load before any store (a load after a store to another pointer
+        # could not be moved ahead of it: one more round trip). -1 (no store) when the row is
+        # inactive or the label is a teacher id (stored with the ids).
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
         zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "", True)
+    tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
+    if DISTILL:
+        off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
+                                                    KD_STATS)
         gy = _dense_value(zy - r, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
                           KD_STATS, False, HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
