@@ -395,9 +395,11 @@ def kd_ids_kernel(
     them. H100, bf16, N=8192, V=128256, K=64, device span of value_and_grad, id work in the
     walk -> here (this kernel's share): kd_loss "full" 1.858 -> 1.667 ms (68 us), "topk" 0.866
     -> 0.768 (79 us), distill_loss T=1 1.912 -> 1.660 (66 us), T=2 2.118 -> 1.913; at K=1
-    1.620 -> 1.584 ("topk" 0.667 -> 0.676). It runs near the random-access rate of the HBM
-    (Nsight Compute: 54 MB read, 16 MB written in 61 us: the gathers and the 2-byte stores
-    into gradient lines long evicted from L2). 1, 2 or 4 warps: within 10%."""
+    1.620 -> 1.584 ("topk" 0.667 -> 0.676). It ran near the random-access rate of the HBM
+    (Nsight Compute: 54 MB read, 16 MB written in 61 us: its gathers and the 2-byte stores
+    into gradient lines long evicted from L2); since the walk gathers the logits at the ids
+    for it (xk) it takes 51 us in kd_loss "full" (1.648 ms in all). 1, 2 or 4 warps: within
+    10%."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -539,10 +541,9 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad). Many rows: one program per row walks the
     vocabulary once and writes the gradient, then kd_ids_kernel does the work at the teacher's
-    ids; few rows: partials per vocabulary slice
-    (when the options need a vocabulary walk), one program per row merges them, then a split
-    gradient pass. smoothing and z_loss apply to distill's cross-entropy term, softcap to the
-    logits both terms see."""
+    ids; few rows: partials per vocabulary slice (when the options need a vocabulary walk),
+    one program per row merges them, then a split gradient pass. smoothing and z_loss apply to
+    distill's cross-entropy term, softcap to the logits both terms see."""
     cfg = row_config(n, vocab, num_sms, write_grad)
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
     inv_temp = 1.0 / temperature
