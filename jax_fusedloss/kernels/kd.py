@@ -28,8 +28,7 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state, load_raw,
-                                            load_z, merge_scaled, scaled_lse, slice_stats,
-                                            to_z)
+                                            load_z, merge_scaled, scaled_lse, slice_stats)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
@@ -408,8 +407,7 @@ def kd_ids_kernel(
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
     if DISTILL or KD_STATS:  # kd_fwd_kernel gathered them
-        zk, dzk = to_z(tl.load(xk_ptr + row * K + kk, mask=kk < K, other=0.0), valid, softcap,
-                       HAS_SOFTCAP, True)
+        zk, dzk = load_z(xk_ptr + row * K, kk, kk < K, softcap, HAS_SOFTCAP, "", True)
         zk = tl.where(valid, zk, 0.0)  # as _gather
     else:
         zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
