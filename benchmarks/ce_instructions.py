@@ -11,6 +11,7 @@ once after a barrier instead of a compare per logit (`fixup`). The library adopt
 benchmarks/results/ce_instructions_h100.txt.
 """
 
+import functools
 import itertools
 
 import torch
@@ -285,8 +286,9 @@ def _thread_case(dt, v, full, n=8192):
 
 
 
-def run_library(x, y, block, warps, prefetch, write_grad=True):
-    """The library's ce_fwd_kernel launched directly with a chosen tile, warps and PREFETCH."""
+def run_library(x, y, block, warps, prefetch, write_grad=True, keep=0):
+    """The library's ce_fwd_kernel launched directly with a chosen tile, warps, PREFETCH and
+    KEEP."""
     from jax_fusedloss.kernels.cross_entropy import COEF_FIELDS, ce_fwd_kernel
 
     n, v = x.shape
@@ -298,7 +300,7 @@ def run_library(x, y, block, warps, prefetch, write_grad=True):
     ce_fwd_kernel[(n,)](x, y, scale, v, v, -100, 0.0, 0.0, 1.0, loss, lse, coef, g,
                         BLOCK_V=block, HAS_SOFTCAP=False, HAS_SMOOTHING=False, HAS_ZLOSS=False,
                         WRITE_GRAD=write_grad, ALIGN=vocab_align(v), PREFETCH=prefetch,
-                        num_warps=warps)
+                        KEEP=keep, num_warps=warps)
     return loss, g
 
 
@@ -323,6 +325,26 @@ def main_library():
                 print(f"  forward alone B={block:5d} w={warps:2d} prefetch={pf}: {t:.3f} ms "
                       f"({2 * t / copy:.3f}x read)", flush=True)
             torch.cuda.empty_cache()
+
+
+def main_keep():
+    """--keep: the library's fused kernel keeping KEEP leading tiles of each row in registers
+    (no re-read) against KEEP=0, twice in alternation, at the vocabularies where the row walk
+    runs (bf16 with and without PREFETCH; float32 rows up to the split threshold)."""
+    cases = ((torch.bfloat16, 151936), (torch.bfloat16, 128256), (torch.bfloat16, 256000),
+             (torch.bfloat16, 100000), (torch.bfloat16, 50257), (torch.bfloat16, 32000),
+             (torch.float32, 50257), (torch.float32, 32000), (torch.float32, 100000))
+    for dt, v in cases:
+        x, y, ref_loss, ref_g, copy, prod = _setup(dt, v)
+        pfs = (1, 0) if dt == torch.bfloat16 and v >= 65536 else (0,)
+        for rep in range(2):
+            for pf in pfs:
+                for keep in (0, 1, 2):
+                    _measure(f"  keep={keep} prefetch={pf} rep={rep}:",
+                             functools.partial(run_library, x, y, 16384, 32, pf, keep=keep),
+                             ref_loss, ref_g, copy, prod)
+        del x, y, ref_loss, ref_g
+        torch.cuda.empty_cache()
 
 
 def run_split(x, y, splits, block, prefetch, polls=None):
@@ -383,6 +405,8 @@ def main():
 
     if "--split" in sys.argv:
         return main_split()
+    if "--keep" in sys.argv:
+        return main_keep()
     if "--library" in sys.argv:
         return main_library()
     if "--thread" in sys.argv:

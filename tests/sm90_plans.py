@@ -34,6 +34,10 @@ SHORT_ROWS = (8192, 32000)
 # The one-launch split forward + gradient runs for long rows only (launch.split_fused_config):
 # float32 at V=128256 (one of CASES) and an unaligned twin, bf16 at V=256000 and its twin.
 SPLIT_ROWS = (("fp32", (8192, 128255)), ("bf16", (8192, 256000)), ("bf16", (8192, 255999)))
+# The fused forward + gradient keeps tiles in registers on long rows (launch.keep_tiles): two
+# for bf16 at V=151936 (and its unaligned twin), one for float32 at V=50257 (one of CASES),
+# whose aligned twin is V=50256.
+KEEP_ROWS = (("bf16", (8192, 151936)), ("bf16", (8192, 151935)), ("fp32", (8192, 50256)))
 
 
 def _itemsize(dt: str) -> int:
@@ -72,7 +76,7 @@ def _ce():
             yield from _specs(ce.ce_fwd_plan(*SHORT_ROWS, num_sms=SMS, write_grad=True,
                                              itemsize=_itemsize(dt), **opts),
                               dt, dict(y=i32, row_scale=f32))
-    for (dt, (n, v)), opts in itertools.product(SPLIT_ROWS, options):
+    for (dt, (n, v)), opts in itertools.product(SPLIT_ROWS + KEEP_ROWS, options):
         yield from _specs(ce.ce_fwd_plan(n, v, num_sms=SMS, write_grad=True,
                                          itemsize=_itemsize(dt), **opts),
                           dt, dict(y=i32, row_scale=f32))

@@ -164,23 +164,31 @@ def test_cross_entropy_strided_rows(vocab, sms, dtype):
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 @pytest.mark.parametrize("vocab", [64, 203, 517])
-@pytest.mark.parametrize("smoothing,softcap,prefetch", [(0.0, None, True), (0.1, 5.0, True),
-                                                        (0.0, None, False)])
-def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, monkeypatch):
+@pytest.mark.parametrize("smoothing,softcap,prefetch,keep", [
+    (0.0, None, True, 0), (0.1, 5.0, True, 0), (0.0, None, False, 0), (0.0, None, False, 1),
+    (0.1, None, False, 2)])
+def test_fused_walk_over_many_tiles(vocab, dtype, smoothing, softcap, prefetch, keep,
+                                    monkeypatch):
     """The fused forward + gradient's per-thread statistics walk (_ce_core.slice_stats,
-    with and without the next tile prefetched, which applies to 16-bit logits) over many
-    tiles: 64-element tiles instead of 16384, so a row holds one to eight whole tiles plus a
-    partial one and, at odd V, an edge tile. Rows whose max sits in the last tile (every
-    thread's sum rescaled late), whose label is in the partial tile, with -inf entries, and an
-    ignored row; row stride V + 16; against float64 formulas."""
+    with and without the next tile prefetched, which applies to 16-bit logits, or with the
+    first `keep` whole tiles held in registers for the gradient pass) over many tiles:
+    64-element tiles instead of 16384, so a row holds one to eight whole tiles plus a partial
+    one and, at odd V, an edge tile (at V=64 the second kept tile is empty). Rows whose max
+    sits in the last tile (every thread's sum rescaled late), whose label is in the partial
+    tile, with -inf entries, and an ignored row; row stride V + 16; against float64
+    formulas."""
     from jax_fusedloss.kernels import launch
 
     monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 64)
     monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0 if prefetch else 10 ** 9)
-    plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"prefetch={prefetch}")
+    levels = (0,) * keep + (10 ** 9,) * (2 - keep)
+    monkeypatch.setattr(launch, "KEEP_VOCAB", {2: levels, 4: levels})
+    plan = _check_fused_walk(vocab, dtype, smoothing, softcap,
+                             f"prefetch={prefetch} keep={keep}")
     assert plan.launches[0].kernel is ce.ce_fwd_kernel
     assert plan.launches[0].constexprs["BLOCK_V"] == 64
     assert plan.launches[0].constexprs["PREFETCH"] == prefetch
+    assert plan.launches[0].constexprs["KEEP"] == keep
 
 
 @pytest.mark.parametrize("dtype", ("bfloat16", "float32"))

@@ -34,3 +34,18 @@ def test_few_row_table(family, legacy_rows):
     assert launch.auto_prefers_xla(1, 128256, family, "legacy")
     assert launch.auto_prefers_xla(legacy_rows, 128256, family, "legacy")
     assert not launch.auto_prefers_xla(legacy_rows + 1, 128256, family, "legacy")
+
+
+@pytest.mark.parametrize("vocab,itemsize,softcap,keep", [
+    (32000, 2, None, 0), (100000, 2, None, 0), (128256, 2, None, 1), (151936, 2, None, 2),
+    (151936, 2, 30.0, 0), (32000, 4, None, 0), (50257, 4, None, 1), (100000, 4, None, 1),
+    (50257, 4, 30.0, 0)])
+def test_kept_tiles(vocab, itemsize, softcap, keep):
+    """The fused cross-entropy row walk keeps tiles in registers where launch.KEEP_VOCAB's
+    table says it was measured faster, never with a softcap (its arithmetic spills), and then
+    drops the prefetch; only a pass that writes the gradient keeps anything."""
+    assert launch.keep_tiles(vocab, itemsize, softcap) == keep
+    cfg = launch.row_config(8192, vocab, 132, write_grad=True, keep=keep)
+    assert cfg.num_splits == 1 and cfg.keep == keep
+    assert cfg.prefetch == (vocab >= launch.PREFETCH_MIN_VOCAB and keep == 0)
+    assert launch.row_config(8192, vocab, 132, write_grad=False, keep=keep).keep == 0

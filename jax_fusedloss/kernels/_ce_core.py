@@ -100,9 +100,9 @@ def _thread_fold(m, s, s_kd, sumz, x, mask, softcap, c_kd, HAS_SOFTCAP: tl.const
 def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                 CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, EVICTION: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr, KEEP: tl.constexpr):
     """Statistics of z over [start, stop) of the row at x_ptr + row_off in one online walk
-    (_online's aligned tile walk): (m, s, s_kd, sum z, z[label]).
+    (_online's aligned tile walk): (m, s, s_kd, sum z, z[label], kept0, kept1).
 
     m is the max of z (the reference of both sums: z / T has its max at the same column),
     s = sum exp(z - m) (CE_STATS), s_kd = sum exp((z - m) * kd_scale) (KD_STATS), sum z
@@ -120,6 +120,12 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     V=128256 1.79 ms with per-lane sums and a block max per tile, 1.79 per-thread, 1.56
     per-thread with the prefetch; V=32000 0.50 -> 0.35 ms per-thread
     (benchmarks/results/ce_thread_h100.txt, ce_library_h100.txt).
+
+    KEEP (0 to 2): the first KEEP whole tiles of the span are loaded with evict_first and
+    returned as raw [BLOCK_V / VEC, VEC] tiles (kept0, kept1; lanes past the whole tiles 0) for
+    a gradient pass that takes them from registers instead of re-reading them
+    (cross_entropy._ce_grad_slice; launch.KEEP_VOCAB has the measurements). Tiles not kept are
+    zeros that the compiler drops.
     """
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = kd_scale * LOG2E
@@ -143,11 +149,27 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     s_kd = tl.where(first, s_kd, 0.0)
     sumz = tl.where(first, sumz, 0.0)
     n_full = (k1 - k0) // BLOCK_V
+    # KEEP leading whole tiles stay in registers for the caller (kept0, kept1; masked past
+    # n_full): loaded with evict_first, as nothing re-reads them
+    kept0 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
+    kept1 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
+    if KEEP >= 1:
+        kept0 = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, "evict_first", True)
+        m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, kept0, rr < n_full * BLOCK_V, softcap,
+                                        c_kd, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
+                                        True)
+    if KEEP >= 2:
+        kept1 = load_raw(base, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, "evict_first",
+                         True)
+        m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, kept1, rr < (n_full - 1) * BLOCK_V,
+                                        softcap, c_kd, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
+                                        KD_STATS, True)
     # 16-bit logits only: with float32 tiles (twice the bytes per tile) the prefetch was
     # slower on H100 (3.99 vs 3.58 ms at V=128256) or no faster
     if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
-        x_next = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, EVICTION, True)
-        for i in range(0, n_full):
+        x_next = load_raw(base, k0 + KEEP * BLOCK_V + rr, rr < (n_full - KEEP) * BLOCK_V,
+                          EVICTION, True)
+        for i in range(KEEP, n_full):
             x = x_next
             x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
                               rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
@@ -155,7 +177,7 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
                                             HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
                                             False)
     else:
-        for i in range(0, n_full):
+        for i in range(KEEP, n_full):
             x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
             m, s, s_kd, sumz = _thread_fold(m, s, s_kd, sumz, x, rr >= 0, softcap, c_kd,
                                             HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS,
@@ -175,7 +197,7 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     in_slice = (label >= start) & (label < stop)
     zy, _ = load_z(row_ptr, tl.where(in_slice, label, start), in_slice, softcap, HAS_SOFTCAP, "",
                    True)
-    return m, s, s_kd, sumz, tl.where(in_slice, zy, 0.0)
+    return m, s, s_kd, sumz, tl.where(in_slice, zy, 0.0), kept0, kept1
 
 
 @triton.jit

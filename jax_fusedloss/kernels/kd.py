@@ -301,10 +301,10 @@ def kd_fwd_kernel(
         s_kd = merge_scaled(m_i, load_field(base, ok, 2, False, ""), m, inv_temp)
         sumz = tl.sum(load_field(base, ok, 3, False, ""), axis=0)
     elif DISTILL or KD_STATS:
-        m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, 0, V, softcap,
-                                          inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING,
-                                          DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
-                                          PREFETCH)
+        m, s, s_kd, sumz, _, _, _ = slice_stats(
+            logits_ptr, row * stride_row, -1, 0, V, softcap, inv_temp, BLOCK_V, ALIGN,
+            HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
+            PREFETCH, 0)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
@@ -457,10 +457,10 @@ def kd_partial_kernel(
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * SPLIT_V
-    m, s, s_kd, sumz, _ = slice_stats(logits_ptr, row * stride_row, -1, start,
-                                      tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
-                                      BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
-                                      KD_STATS, "", False)
+    m, s, s_kd, sumz, _, _, _ = slice_stats(logits_ptr, row * stride_row, -1, start,
+                                            tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
+                                            BLOCK_V, ALIGN, HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS,
+                                            KD_STATS, "", False, 0)
     store_partials(part_ptr, row, split, tl.num_programs(1), m, s, s_kd, sumz)
 
 

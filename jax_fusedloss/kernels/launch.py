@@ -30,6 +30,30 @@ GRAD_TILE_ELEMS = 16384
 # (copy of the logits 0.351 / 0.549 / 1.393 / 1.653 / 2.778 ms). Rows of one to three whole
 # tiles lose with it; between 50257 and 128256 nothing was measured.
 PREFETCH_MIN_VOCAB = 65536
+# The fused cross-entropy forward + gradient keeps a row's first KEEP whole tiles in registers
+# from its statistics walk to its gradient pass (kernels/_ce_core.slice_stats): those tiles are
+# the gradient pass's last (it walks backwards), the ones whose re-read missed L2 most, and with
+# them out of L2 the rest of the row fits better (132 rows in flight). A 16384-element tile is
+# 8 registers a thread for 16-bit logits, 16 for float32; the softcap's arithmetic then spills
+# (ptxas, sm_90), so softcapped rows keep nothing. With tiles kept the prefetch gains nothing
+# and is off. H100, N=8192, the kernel alone (benchmarks/results/ce_keep_h100.txt), ms at
+# KEEP = 0 (with the prefetch where it is on) / 1 / 2, and KEEP's best x the logits' copy:
+#   bf16  V=32000 0.364/0.482/0.568   50257 0.610/0.785/0.836   100000 1.255/1.247/1.297
+#         V=128256 1.558/1.516/1.526 (1.09x)   151936 1.958/1.874/1.811 (1.10x)
+#   fp32  V=32000 0.772/0.777/0.970   50257 1.276/1.178/1.415 (1.08x)   100000 2.673/2.502/2.770
+# (bf16 at 256000 and float32 from 448 KiB rows run the split kernel below.) Rows of 16-bit
+# logits keep one tile from KEEP_VOCAB[2][0] columns and two from KEEP_VOCAB[2][1]; float32
+# rows keep one from KEEP_VOCAB[4][0] (two spill).
+KEEP_VOCAB = {2: (120_000, 140_000), 4: (40_000, 1 << 62)}
+
+
+def keep_tiles(vocab: int, itemsize: int, softcap) -> int:
+    """The KEEP constexpr of the fused cross-entropy row walk (see KEEP_VOCAB)."""
+    if softcap is not None or itemsize not in KEEP_VOCAB:
+        return 0
+    return sum(vocab >= v for v in KEEP_VOCAB[itemsize])
+
+
 # The fused forward + gradient over many rows splits each row over programs of one launch that
 # exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) for rows of at least
 # SPLIT_FUSED_MIN_ROW_BYTES: between a column's statistics read and its gradient re-read the
@@ -94,19 +118,24 @@ class RowConfig(NamedTuple):
     split_v: int  # vocabulary slice per program, a multiple of block_v
     align: int  # largest power of two <= 16 dividing vocab: the ALIGN constexpr of hint_multiple
     prefetch: bool = False  # the PREFETCH constexpr of a fused row pass that writes the gradient
+    keep: int = 0  # the KEEP constexpr of a fused row pass that writes the gradient
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
-               write_grad: bool = False) -> RowConfig:
+               write_grad: bool = False, keep: int = 0) -> RowConfig:
     """Tile, warps and split count for a row-wise online-softmax pass over `[n_rows, vocab]`
     (the measured optimum is in elements for both bf16 and fp32, so the dtype is no input).
 
     `write_grad`: the pass also writes a `[n_rows, vocab]` gradient (bigger tiles pay off).
+    `keep`: tiles the fused row walk keeps in registers (keep_tiles; the cross-entropy kernel
+    only), which turns the prefetch off; ignored on the split path.
     """
     if n_rows >= PROGRAMS_PER_SM * num_sms:
         block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
+        keep = keep if write_grad else 0
         return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
-                         vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB)
+                         vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB and not keep,
+                         keep)
     # Few rows: split each row over programs; short latency-bound programs want small tiles.
     block_v, num_warps = _tile(vocab, FWD_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
