@@ -45,7 +45,8 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                               normalize=opts.normalize, distill=opts.distill,
                               ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
                               write_grad=write_grad, smoothing=opts.smoothing,
-                              z_loss=opts.z_loss, softcap=opts.softcap)
+                              z_loss=opts.z_loss, softcap=opts.softcap,
+                              itemsize=x.dtype.itemsize)
 
     return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
                                 row_scale)

@@ -38,6 +38,7 @@ SPLIT_ROWS = (("fp32", (8192, 128255)), ("bf16", (8192, 256000)), ("bf16", (8192
 # for bf16 at V=151936 (and its unaligned twin), one for float32 at V=50257 (one of CASES),
 # whose aligned twin is V=50256.
 KEEP_ROWS = (("bf16", (8192, 151936)), ("bf16", (8192, 151935)), ("fp32", (8192, 50256)))
+KD_KEEP_ROWS = ((8192, 151935), (8192, 151936))
 
 
 def _itemsize(dt: str) -> int:
@@ -104,11 +105,18 @@ def _kd():
             KD_CASES, options, (True, False)):
         yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
                                          distill=distill, ignore_index=-100, num_sms=SMS,
-                                         write_grad=write_grad, **extra), dt, types)
+                                         write_grad=write_grad, itemsize=_itemsize(dt), **extra),
+                          dt, types)
         if (n, v) == SHAPES[2] and write_grad:
             yield from _specs(kd.kd_fwd_plan(*SHORT_ROWS, 64, temperature=t, normalize=normalize,
                                              distill=distill, ignore_index=-100, num_sms=SMS,
-                                             write_grad=True, **extra), dt, types)
+                                             write_grad=True, itemsize=_itemsize(dt), **extra),
+                              dt, types)
+    # the fused walk keeping two tiles (16-bit, V=128256 above) at an unaligned V and its twin
+    for (n, v), (normalize, distill, t, extra) in itertools.product(KD_KEEP_ROWS, options):
+        yield from _specs(kd.kd_fwd_plan(n, v, 64, temperature=t, normalize=normalize,
+                                         distill=distill, ignore_index=-100, num_sms=SMS,
+                                         write_grad=True, itemsize=2, **extra), "bf16", types)
     for k in (1, 128):
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,

@@ -49,3 +49,14 @@ def test_kept_tiles(vocab, itemsize, softcap, keep):
     assert cfg.num_splits == 1 and cfg.keep == keep
     assert cfg.prefetch == (vocab >= launch.PREFETCH_MIN_VOCAB and keep == 0)
     assert launch.row_config(8192, vocab, 132, write_grad=False, keep=keep).keep == 0
+
+
+@pytest.mark.parametrize("vocab,softcap,exps,keep", [
+    (128256, None, 1, 2), (151936, None, 1, 2), (50257, None, 1, 0), (128256, None, 2, 0),
+    (128256, 30.0, 1, 0)])
+def test_kd_kept_tiles(vocab, softcap, exps, keep):
+    """kd_loss / distill_loss keep two tiles on long 16-bit rows with one exponential per
+    element (launch.KD_KEEP_VOCAB), none with two (distill_loss at T != 1), a softcap, or
+    float32 (not measured)."""
+    assert launch.kd_keep_tiles(vocab, 2, softcap, exps) == keep
+    assert launch.kd_keep_tiles(vocab, 4, softcap, exps) == 0

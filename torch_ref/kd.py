@@ -18,7 +18,8 @@ def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_inde
     plan = k.kd_fwd_plan(n, vocab, ids.shape[1], temperature=temperature, normalize=normalize,
                          distill=distill, ignore_index=ignore_index,
                          num_sms=_launch.num_sms(x), write_grad=write_grad,
-                         smoothing=smoothing, z_loss=z_loss, softcap=softcap)
+                         smoothing=smoothing, z_loss=z_loss, softcap=softcap,
+                         itemsize=x.element_size())
     outs = run_plan(plan, x=x, ids=ids, lp=lp, y=y, row_scale=row_scale)
     return outs[0], outs[2] if write_grad else None
 

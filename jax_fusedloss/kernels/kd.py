@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state, load_raw,
-                                            load_z, merge_scaled, scaled_lse, slice_stats)
+                                            load_z, merge_scaled, scaled_lse, slice_stats, to_z)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
-from jax_fusedloss.kernels.launch import KD_IDS_WARPS, merge_block, row_config
+from jax_fusedloss.kernels.launch import KD_IDS_WARPS, kd_keep_tiles, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
@@ -131,8 +131,21 @@ def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_
     """Writes the dense gradient of one tile (x at x_ptr + offs, gradient at g_ptr + offs):
     zeros without a load when there is none ("topk" kd_loss). MASKED=False: a tile wholly
     inside the row, loaded and stored without a mask."""
+    x = tl.zeros(offs.shape, x_ptr.dtype.element_ty)
     if DISTILL or KD_STATS:
-        z, dz = load_z(x_ptr, offs, mask, softcap, HAS_SOFTCAP, EVICTION, MASKED)
+        x = load_raw(x_ptr, offs, mask, EVICTION, MASKED)
+    _dense_store(x, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                 EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, MASKED)
+
+
+@triton.jit
+def _dense_store(x, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
+                 EVICTION: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
+    """_dense_tile of a tile x of raw logits already in registers (not read without DISTILL
+    or KD_STATS)."""
+    if DISTILL or KD_STATS:
+        z, dz = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
         g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
                          HAS_SOFTCAP, HAS_SMOOTHING)
     else:
@@ -146,18 +159,19 @@ def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_
 
 @triton.jit
 def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_temp, softcap,
-                 start, stop, EVICTION: tl.constexpr, BLOCK_V: tl.constexpr,
+                 start, stop, kept0, kept1, EVICTION: tl.constexpr, BLOCK_V: tl.constexpr,
                  ALIGN: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
                  KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                 HAS_SMOOTHING: tl.constexpr):
+                 HAS_SMOOTHING: tl.constexpr, KEEP: tl.constexpr):
     """Writes the dense part of the unit-cotangent gradient of columns [start, stop) of one row,
     a * softmax(z) + coef_s * softmax(s) - c (times dz/dx with a softcap), from the row's
     softmax references (stats fields 5-8: softmax(z) = exp((z - r) - lg_x), softmax(s) =
     exp((z - r) / T - lg_L)), tile by tile (_online's aligned tile walk: the edge tile first,
     then the vector span), walking backwards (the tiles the statistics pass read last are the
     likeliest to be in L2: the partial last tile, then whole tiles without masks); zeros
-    without a load when there is none ("topk" kd_loss). The id and label columns are
-    _write_ids'."""
+    without a load when there is none ("topk" kd_loss). The first KEEP whole tiles come from
+    registers (slice_stats' kept0, kept1; any placeholder with KEEP = 0), written last. The id
+    and label columns are _write_ids'."""
     off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
                                                 KD_STATS)
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
@@ -174,10 +188,19 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_t
         t = k + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
                     EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
-    for i in range(0, n_full):
+    for i in range(0, n_full - KEEP):
         t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
                     EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
+    rr = tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    if KEEP >= 2:
+        _dense_store(kept1, gs, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, r, off_x, sgn_x,
+                     off_s, sgn_s, c, inv_temp, softcap, EVICTION, DISTILL, KD_STATS,
+                     HAS_SOFTCAP, HAS_SMOOTHING, True)
+    if KEEP >= 1:
+        _dense_store(kept0, gs, k0 + rr, rr < n_full * BLOCK_V, r, off_x, sgn_x, off_s, sgn_s,
+                     c, inv_temp, softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP,
+                     HAS_SMOOTHING, True)
 
 
 @triton.jit
@@ -264,11 +287,11 @@ def kd_fwd_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
+    ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
-    path, _ce_core.slice_stats' per-thread walk, PREFETCH as there; with WRITE_GRAD also the
-    unit-cotangent gradient) or from split partials.
+    path, _ce_core.slice_stats' per-thread walk, PREFETCH and KEEP as there; with WRITE_GRAD
+    also the unit-cotangent gradient) or from split partials.
 
     With WRITE_GRAD the statistics pass asks the caches to keep its lines (evict_last) so the
     gradient pass re-reads the row from L2 more often, and everything that gathers at the
@@ -293,6 +316,8 @@ def kd_fwd_kernel(
     s = tl.zeros([], tl.float32)
     s_kd = tl.zeros([], tl.float32)
     sumz = tl.zeros([], tl.float32)
+    kept0 = m
+    kept1 = m
     if FROM_PARTS:
         # partials: (max z, sum exp(z - max), sum exp((z - max) / T), sum z)
         base, ok = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
@@ -301,10 +326,10 @@ def kd_fwd_kernel(
         s_kd = merge_scaled(m_i, load_field(base, ok, 2, False, ""), m, inv_temp)
         sumz = tl.sum(load_field(base, ok, 3, False, ""), axis=0)
     elif DISTILL or KD_STATS:
-        m, s, s_kd, sumz, _, _, _ = slice_stats(
+        m, s, s_kd, sumz, _, kept0, kept1 = slice_stats(
             logits_ptr, row * stride_row, -1, 0, V, softcap, inv_temp, BLOCK_V, ALIGN,
             HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
-            PREFETCH, 0)
+            PREFETCH, KEEP if WRITE_GRAD else 0)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
     lse_x, lse_lo = lse_parts(m, s)
@@ -360,8 +385,9 @@ def kd_fwd_kernel(
         if DISTILL or KD_STATS:
             xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c,
-                     kd_a, inv_temp, softcap, 0, V, "evict_first", BLOCK_V, ALIGN, FULL,
-                     DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+                     kd_a, inv_temp, softcap, 0, V, kept0, kept1, "evict_first", BLOCK_V, ALIGN,
+                     FULL, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
+                     KEEP if DISTILL or KD_STATS else 0)
         if DISTILL or KD_STATS:
             kk = tl.arange(0, BLOCK_K)
             tl.store(xk_ptr + row * K + kk, xk.to(tl.float32), mask=kk < K)
@@ -496,8 +522,8 @@ def kd_bwd_kernel(
     r, lg_x, r_L, lg_L, P, kd_a = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
                                    tl.load(st + 8), tl.load(st + 2), tl.load(st + 4))
     _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c, kd_a,
-                 inv_temp, softcap, start, stop, "", BLOCK_V, ALIGN, FULL, DISTILL, KD_STATS,
-                 HAS_SOFTCAP, HAS_SMOOTHING)
+                 inv_temp, softcap, start, stop, a, a, "", BLOCK_V, ALIGN, FULL, DISTILL,
+                 KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, 0)
     tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
     x_row = logits_ptr + row * stride_row
     ids, valid, _lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, tl.arange(0, BLOCK_K))
@@ -534,16 +560,19 @@ def needs_vocab_pass(flags: dict) -> bool:
 # ----------------------------------------------------------------------------- launch plans
 def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: str,
                 distill: bool, ignore_index: int, num_sms: int, write_grad: bool,
-                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None
-                ) -> Plan:
+                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                itemsize: int = 0) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad). Many rows: one program per row walks the
     vocabulary once and writes the gradient, then kd_ids_kernel does the work at the teacher's
     ids; few rows: partials per vocabulary slice (when the options need a vocabulary walk),
     one program per row merges them, then a split gradient pass. smoothing and z_loss apply to
-    distill's cross-entropy term, softcap to the logits both terms see."""
-    cfg = row_config(n, vocab, num_sms, write_grad)
+    distill's cross-entropy term, softcap to the logits both terms see. itemsize: bytes per
+    logit, which sets the tiles the row walk keeps in registers (launch.kd_keep_tiles; 0
+    keeps none)."""
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
+    cfg = row_config(n, vocab, num_sms, write_grad,
+                     kd_keep_tiles(vocab, itemsize, softcap, flags["DISTILL"] + flags["KD_STATS"]))
     inv_temp = 1.0 / temperature
     cap = float(softcap or 1.0)
     scalars = (vocab, k, vocab, inv_temp, ignore_index, float(smoothing), float(z_loss), cap)
@@ -569,7 +598,8 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
         cfg.num_warps if fused else 4,
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align,
-             PREFETCH=cfg.prefetch and write_here, **flags)))
+             PREFETCH=cfg.prefetch and write_here, KEEP=cfg.keep if write_here else 0,
+             **flags)))
     if write_here:
         launches.append(Launch(
             kd_ids_kernel, (n,), ("x", "ids", "lp", "y", "xk", "loss", "stats", "grad"), scalars,

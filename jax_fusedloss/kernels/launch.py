@@ -54,6 +54,27 @@ def keep_tiles(vocab: int, itemsize: int, softcap) -> int:
     return sum(vocab >= v for v in KEEP_VOCAB[itemsize])
 
 
+# The same for kd_loss / distill_loss's fused row walk (kernels/kd.kd_fwd_kernel), where the
+# row takes one exponential per element (kd_loss "full", distill_loss at T = 1; distill_loss
+# at T != 1 takes two and lost) and no softcap. H100, bf16, N=8192, K=64, the walk and
+# kd_ids_kernel from torch (benchmarks/keep_ab.py, results/kd_keep_h100.txt), ms at KEEP =
+# 0 / 1 / 2 (the prefetch on at KEEP = 0):
+#   kd_loss       V=32000 0.413/0.645/0.667   50257 0.926/0.883/0.957
+#                 V=128256 1.652/1.651/1.621   151936 2.056/1.971/1.904
+#   distill T=1   V=128256 1.653/1.762/1.617   151936 2.059/2.154/1.911
+#   distill T=2   V=128256 1.884/1.934/1.908
+# (one kept tile loses for distill_loss; float32 not measured: nothing kept).
+KD_KEEP_VOCAB = {2: (120_000, 120_000)}
+
+
+def kd_keep_tiles(vocab: int, itemsize: int, softcap, exps: int) -> int:
+    """The KEEP constexpr of kd_fwd_kernel's fused row walk for rows taking `exps`
+    exponentials per element (see KD_KEEP_VOCAB)."""
+    if softcap is not None or exps != 1 or itemsize not in KD_KEEP_VOCAB:
+        return 0
+    return sum(vocab >= v for v in KD_KEEP_VOCAB[itemsize])
+
+
 # The fused forward + gradient over many rows splits each row over programs of one launch that
 # exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) for rows of at least
 # SPLIT_FUSED_MIN_ROW_BYTES: between a column's statistics read and its gradient re-read the
