@@ -400,8 +400,30 @@ def main_split():
         torch.cuda.empty_cache()
 
 
+def main_split_keep():
+    """--split-keep: the one-launch split kernel with KEEP leading tiles of each program's slice
+    in registers (launch.SPLIT_FUSED_KEEP) against none, at the rows it runs on."""
+    from jax_fusedloss.kernels import launch
+
+    for dt, v, splits in ((torch.bfloat16, 256000, 6), (torch.float32, 128256, 6),
+                          (torch.float32, 256000, 11)):
+        x, y, ref_loss, ref_g, copy, prod = _setup(dt, v)
+        for rep in range(2):
+            for keep in (0, 1, 2):
+                saved, launch.SPLIT_FUSED_KEEP = launch.SPLIT_FUSED_KEEP, {x.element_size(): keep}
+                fn, got = run_split(x, y, splits, 8192, int(dt != torch.float32) and not keep)
+                launch.SPLIT_FUSED_KEEP = saved
+                _measure(f"  split keep={keep} S={got} rep={rep}:", fn, ref_loss, ref_g, copy,
+                         prod)
+        del x, y, ref_loss, ref_g
+        torch.cuda.empty_cache()
+
+
 def main():
     import sys
+
+    if "--split-keep" in sys.argv:
+        return main_split_keep()
 
     if "--split" in sys.argv:
         return main_split()

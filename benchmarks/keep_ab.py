@@ -3,12 +3,14 @@ pass of kd_loss / distill_loss (kernels/kd.kd_fwd_kernel's KEEP; launch.KD_KEEP_
 result).
 
     source .whl/gpu-env.sh && python3 -m benchmarks.keep_ab > $OUT/kd_keep.txt
+    source .whl/gpu-env.sh && python3 -m benchmarks.keep_ab --gather > $OUT/kd_gather.txt
 
 torch_ref's fused forward + gradient (kd_fwd_kernel, then kd_ids_kernel), N=8192, K=64, bf16,
 with KEEP forced to 0, 1 and 2 (whatever launch.kd_keep_tiles says), two rounds in
 alternation; the copy of the logits as the floor (read once, write the gradient once). Every
 variant's loss and gradient are compared with KEEP=0's (bit-identical expected). The
-cross-entropy kernel's own A/B is `benchmarks.ce_instructions --keep`.
+cross-entropy kernel's own A/B is `benchmarks.ce_instructions --keep`. `--gather`: the walk's
+gather of the logits at the teacher ids (launch.kd_walk_gathers) on and off.
 """
 import torch
 from triton.testing import do_bench
@@ -28,41 +30,60 @@ def _inputs(v, n=8192, k=64, dtype=torch.bfloat16):
     return x, ids.to(torch.int32).contiguous(), lp.contiguous(), y
 
 
-def _fused(x, ids, lp, y, op, temperature, keep):
-    """A call of torch_ref's fused forward + gradient with KEEP forced (the plan is built per
-    call, with kd_fwd_plan's kd_keep_tiles replaced)."""
-    from jax_fusedloss.kernels import kd
+def _fused(x, ids, lp, y, op, temperature, keep=None, walk_gather=None):
+    """A call of torch_ref's fused forward + gradient with KEEP (kd_fwd_plan's kd_keep_tiles
+    replaced) and/or the walk's gather at the ids (launch.kd_walk_gathers) forced; the
+    plan is built per call, under the patches."""
+    from jax_fusedloss.kernels import kd, launch
     from torch_ref.kd import _rows
 
     scale = torch.ones(x.shape[0], 2, device="cuda", dtype=torch.float32)
 
     def fn():
-        saved, kd.kd_keep_tiles = kd.kd_keep_tiles, lambda *_: keep
+        saved = kd.kd_keep_tiles, launch.kd_walk_gathers
+        if keep is not None:
+            kd.kd_keep_tiles = lambda *_: keep
+        if walk_gather is not None:
+            launch.kd_walk_gathers = lambda *_: walk_gather
         try:
             return _rows(x, ids, lp, y, scale, temperature, "full", op == "distill_loss", -100,
                          True)
         finally:
-            kd.kd_keep_tiles = saved
+            kd.kd_keep_tiles, launch.kd_walk_gathers = saved
     return fn
 
 
-def main():
+def _ab(cases, variants):
+    """Each case's variants ({label: kwargs of _fused}) timed twice in alternation against the
+    first one's outputs."""
     print(f"# {torch.cuda.get_device_name()}", flush=True)
-    for op, v, temperature in CASES:
+    for op, v, temperature in cases:
         x, ids, lp, y = _inputs(v)
         copy = do_bench(x.clone, rep=200)
-        fns = {keep: _fused(x, ids, lp, y, op, temperature, keep) for keep in (0, 1, 2)}
-        ref_loss, ref_g = fns[0]()
+        fns = {label: _fused(x, ids, lp, y, op, temperature, **kw)
+               for label, kw in variants.items()}
+        ref_loss, ref_g = next(iter(fns.values()))()
         print(f"{op} T={temperature} V={v}: copy {copy:.3f} ms", flush=True)
         for rep in range(2):
-            for keep, fn in fns.items():
+            for label, fn in fns.items():
                 loss, g = fn()
                 same = torch.equal(loss, ref_loss) and torch.equal(g, ref_g)
                 t = do_bench(fn, rep=300)
-                print(f"  keep={keep} rep={rep}: {t:.3f} ms ({t / copy:.3f}x copy) "
-                      f"identical to keep=0: {same}", flush=True)
+                print(f"  {label} rep={rep}: {t:.3f} ms ({t / copy:.3f}x copy) "
+                      f"identical to the first: {same}", flush=True)
         del x, ids, lp, y, fns, ref_loss, ref_g
         torch.cuda.empty_cache()
+
+
+def main():
+    import sys
+
+    if "--gather" in sys.argv:  # where the row walk should gather at the ids for kd_ids_kernel
+        cases = tuple(("kd_loss", v, 1.0) for v in (50257, 50256, 32000, 65536, 128256))
+        return _ab(cases + (("distill_loss", 50257, 1.0),),
+                   {"walk gathers": dict(walk_gather=True),
+                    "ids kernel gathers": dict(walk_gather=False)})
+    _ab(CASES, {f"keep={k}": dict(keep=k) for k in (0, 1, 2)})
 
 
 if __name__ == "__main__":

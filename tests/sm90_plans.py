@@ -120,7 +120,7 @@ def _kd():
     for k in (1, 128):
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,
-                                         write_grad=True), "bf16", types)
+                                         write_grad=True, itemsize=2), "bf16", types)
 
 
 def specs():

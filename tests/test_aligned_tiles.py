@@ -206,9 +206,14 @@ def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch)
     monkeypatch.setattr(launch, "SPLIT_FUSED_MIN_ROW_BYTES", 0)
     monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE_BYTES", 192 * (2 if dtype == "bfloat16" else 4))
     monkeypatch.setattr(launch, "SPLIT_FUSED_POLLS", 2)
+    monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
     plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"splits={splits}")
     assert plan.launches[0].kernel is ce.ce_split_fused_kernel
     assert plan.launches[0].constexprs["NUM_SPLITS"] == splits
+    # 16-bit logits without a softcap keep a tile of the slice (launch.SPLIT_FUSED_KEEP)
+    keep = int(dtype == "bfloat16" and softcap is None)
+    assert plan.launches[0].constexprs["KEEP"] == keep
+    assert plan.launches[0].constexprs["PREFETCH"] == (not keep)
 
 
 def test_split_fused_config_covers_rows():

@@ -115,27 +115,29 @@ def test_fused_walk_with_prefetch_over_many_tiles(impl, fn, temperature, monkeyp
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch_ref"])
-@pytest.mark.parametrize("fn,temperature,keep", [("kd", 2.0, 2), ("distill", 1.0, 1)])
-def test_fused_walk_keeping_tiles(impl, fn, temperature, keep, monkeypatch):
+@pytest.mark.parametrize("fn,temperature,keep,vocab", [("kd", 2.0, 2, 5000),
+                                                       ("distill", 1.0, 1, 5003)])
+def test_fused_walk_keeping_tiles(impl, fn, temperature, keep, vocab, monkeypatch):
     """The fused forward + gradient with the row's first `keep` whole tiles held in registers
     from the statistics walk to the gradient pass (launch.KD_KEEP_VOCAB, here forced; the
-    prefetch then off), over the shape of the prefetch test above."""
-    from jax_fusedloss.kernels import launch
+    prefetch then off), over ten 512-element tiles, a partial one and, at V=5003, an edge
+    tile. At V=5000 (16-byte aligned rows) the walk also gathers the logits at the ids for
+    kd_ids_kernel (launch.kd_walk_gathers); at 5003 the ids kernel gathers them."""
+    from jax_fusedloss.kernels import kd, launch
 
     force_path("rows", monkeypatch)
     monkeypatch.setattr(launch, "GRAD_TILE_ELEMS", 512)
     monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
     monkeypatch.setattr(launch, "KD_KEEP_VOCAB", {2: (0,) * keep + (10 ** 9,) * (2 - keep)})
-    assert launch.kd_keep_tiles(5003, 2, None, 1) == keep
-    from jax_fusedloss.kernels import kd
-
-    plan = kd.kd_fwd_plan(3, 5003, 16, temperature=temperature, normalize="full",
+    assert launch.kd_keep_tiles(vocab, 2, None, 1) == keep
+    plan = kd.kd_fwd_plan(3, vocab, 16, temperature=temperature, normalize="full",
                           distill=fn == "distill", ignore_index=-100, num_sms=1,
                           write_grad=True, itemsize=2)
-    walk = plan.launches[0].constexprs
+    walk, ids = plan.launches[0].constexprs, plan.launches[1].constexprs
     assert walk["KEEP"] == keep and not walk["PREFETCH"] and walk["BLOCK_V"] == 512
+    assert walk["WALK_GATHER"] == ids["WALK_GATHER"] == (vocab == 5000)
     extra = dict(alpha=0.3) if fn == "distill" else {}
-    OPS[fn].check(impl, "bfloat16", (3, 5003), k=16, normalize="full", temperature=temperature,
+    OPS[fn].check(impl, "bfloat16", (3, vocab), k=16, normalize="full", temperature=temperature,
                   **extra)
 
 

@@ -217,7 +217,7 @@ def ce_split_fused_kernel(
     # constexprs
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, SPLIT_V: tl.constexpr,
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Forward + unit-cotangent gradient in one launch with each row split over NUM_SPLITS
     programs, grid (N * NUM_SPLITS,), a row's programs adjacent (they start together): each
@@ -235,9 +235,9 @@ def ce_split_fused_kernel(
     start = split * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
     label, ignored, bad = label_state(labels_ptr, row, V, ignore_index)
-    m, s, _, sumz, zy, _, _ = slice_stats(logits_ptr, row * stride_row, label, start, stop,
-                                          softcap, 1.0, BLOCK_V, ALIGN, HAS_SOFTCAP,
-                                          HAS_SMOOTHING, True, False, "evict_last", PREFETCH, 0)
+    m, s, _, sumz, zy, kept0, kept1 = slice_stats(
+        logits_ptr, row * stride_row, label, start, stop, softcap, 1.0, BLOCK_V, ALIGN,
+        HAS_SOFTCAP, HAS_SMOOTHING, True, False, "evict_last", PREFETCH, KEEP)
     store_partials(part_ptr, row, split, NUM_SPLITS, m, s, sumz, zy)
     complete, abandoned = row_exchange(sync_ptr, row, split, max_polls, NUM_SPLITS)
     if complete:
@@ -250,8 +250,11 @@ def ce_split_fused_kernel(
                                                     row_scale_ptr, V, ignore_index, smoothing,
                                                     z_loss, loss_ptr, lse_ptr, coef_ptr,
                                                     HAS_SMOOTHING, HAS_ZLOSS)
-        for j in range(NUM_SPLITS):  # this program's slice, and abandoned ones if it is last
-            if (j == split) | (((abandoned >> j) & 1) == 1):
+        _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label, lse, lse_lo, a,
+                       b, c, start, stop, softcap, kept0, kept1, BLOCK_V, ALIGN, HAS_SOFTCAP,
+                       "evict_first", KEEP)
+        for j in range(NUM_SPLITS):  # abandoned slices, if this program is its row's last
+            if ((abandoned >> j) & 1) == 1:
                 _ce_grad_slice(logits_ptr, row * stride_row, grad_ptr, row * V, label, lse,
                                lse_lo, a, b, c, j * SPLIT_V, tl.minimum((j + 1) * SPLIT_V, V),
                                softcap, m, m, BLOCK_V, ALIGN, HAS_SOFTCAP, "evict_first", 0)
@@ -426,7 +429,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     results = ("loss", "lse", "coef") + (("grad",) if write_grad else ())
     flags = dict(ALIGN=cfg.align, HAS_ZLOSS=z_loss > 0, **_flags(softcap, smoothing))
     scalars = (vocab, vocab, ignore_index, smoothing, z_loss, float(softcap or 1.0))
-    split = split_fused_config(n, vocab, itemsize, num_sms) if write_grad else None
+    split = split_fused_config(n, vocab, itemsize, num_sms, softcap) if write_grad else None
     if split is not None:
         s = split.num_splits
         return Plan((Launch(
@@ -435,7 +438,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
             rows + (Buf("grad", (n, vocab), LOGITS), Buf("part", (n, s, 4), "float32"),
                     Buf("sync", (n,), "int32")), split.num_warps,
             dict(NUM_SPLITS=s, BLOCK_S=merge_block(s), SPLIT_V=split.split_v,
-                 BLOCK_V=split.block_v, **flags, PREFETCH=split.prefetch),
+                 BLOCK_V=split.block_v, **flags, PREFETCH=split.prefetch, KEEP=split.keep),
             aliases=((3, 5),) + alias),), results)
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)

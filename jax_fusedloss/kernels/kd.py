@@ -32,6 +32,7 @@ from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
+from jax_fusedloss.kernels import launch
 from jax_fusedloss.kernels.launch import KD_IDS_WARPS, kd_keep_tiles, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
@@ -280,14 +281,14 @@ def kd_fwd_kernel(
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, part_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
-    # outputs: loss [N], stats [N, STATS_FIELDS], grad [N, V] and xk [N, K] (WRITE_GRAD)
+    # outputs: loss [N], stats [N, STATS_FIELDS], grad [N, V] and xk [N, K] (WALK_GATHER)
     loss_ptr, stats_ptr, grad_ptr, xk_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
     HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
+    ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr, WALK_GATHER: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
     path, _ce_core.slice_stats' per-thread walk, PREFETCH and KEEP as there; with WRITE_GRAD
@@ -298,12 +299,13 @@ def kd_fwd_kernel(
     teacher's ids is left to kd_ids_kernel, launched next: the KD term of the loss (`loss`
     holds the cross-entropy part), ("topk") stats fields 1, 7, 8, and the gradient's id and
     label columns (`grad` holds the dense part). P (field 2) is stored here: the dense part
-    needs it. When the row is walked (DISTILL or KD_STATS) the logits at the ids are stored
-    too (xk, float32; 0 at invalid entries): their gather is issued before the gradient pass,
-    while the row is in L2, and nothing waits for it until the pass is done (H100, bf16,
-    V=128256, K=64, value_and_grad: kd_loss 1.668 -> 1.647 ms, distill_loss T=2 1.913 ->
-    1.897, T=1 unchanged; "topk" kd_loss, which does not walk the row, lost 0.768 -> 0.864:
-    its ids kernel gathers them itself).
+    needs it. With WALK_GATHER (the row is walked and 16-byte aligned: launch.kd_walk_gathers)
+    the logits at the ids are stored too (xk, float32; 0 at invalid entries): their gather is
+    issued before the gradient pass, while the row is in L2, and nothing waits for it until
+    the pass is done (H100, bf16, V=128256, K=64, value_and_grad: kd_loss 1.668 -> 1.647 ms,
+    distill_loss T=2 1.913 -> 1.897, T=1 unchanged; "topk" kd_loss, which does not walk the
+    row, lost 0.768 -> 0.864, and kd_loss at the unaligned V=50257 0.670 -> 0.927: there the
+    ids kernel gathers them itself).
     """
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
@@ -382,13 +384,13 @@ def kd_fwd_kernel(
     tl.store(out + 7, r_L)
     tl.store(out + 8, lg_L)
     if WRITE_GRAD:
-        if DISTILL or KD_STATS:
+        if WALK_GATHER:
             xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c,
                      kd_a, inv_temp, softcap, 0, V, kept0, kept1, "evict_first", BLOCK_V, ALIGN,
                      FULL, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
                      KEEP if DISTILL or KD_STATS else 0)
-        if DISTILL or KD_STATS:
+        if WALK_GATHER:
             kk = tl.arange(0, BLOCK_K)
             tl.store(xk_ptr + row * K + kk, xk.to(tl.float32), mask=kk < K)
 
@@ -396,7 +398,7 @@ def kd_fwd_kernel(
 @triton.jit
 def kd_ids_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K], labels [N], then kd_fwd_kernel's
-    # outputs xk [N, K] (the logits at the ids; read if DISTILL or KD_STATS), loss [N],
+    # outputs xk [N, K] (the logits at the ids; read with WALK_GATHER), loss [N],
     # stats [N, STATS_FIELDS], grad [N, V], the last three aliased to the output of the same
     # name
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, xk_ptr, loss_in_ptr, stats_in_ptr,
@@ -408,7 +410,7 @@ def kd_ids_kernel(
     # constexprs
     BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
     KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr, WALK_GATHER: tl.constexpr,
 ):
     """Grid (N,), after kd_fwd_kernel with WRITE_GRAD, in place: a row's work at its teacher
     ids. ("topk") the softmax over the ids into stats fields 1, 7, 8; the KD term added to
@@ -432,7 +434,7 @@ def kd_ids_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
-    if DISTILL or KD_STATS:  # kd_fwd_kernel gathered them
+    if WALK_GATHER:  # kd_fwd_kernel gathered them
         zk, dzk = load_z(xk_ptr + row * K, kk, kk < K, softcap, HAS_SOFTCAP, "", True)
         zk = tl.where(valid, zk, 0.0)  # as _gather
     else:
@@ -589,8 +591,9 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
                  HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"])))
     write_here = write_grad and fused
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
-    xk = (Buf("xk", (n, k), "float32") if write_here and needs_vocab_pass(flags)
-          else placeholder("xk"))
+    walk_gather = (write_here and needs_vocab_pass(flags)
+                   and launch.kd_walk_gathers(vocab, itemsize))
+    xk = Buf("xk", (n, k), "float32") if walk_gather else placeholder("xk")
     launches.append(Launch(
         kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"), grad,
@@ -599,12 +602,13 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align,
              PREFETCH=cfg.prefetch and write_here, KEEP=cfg.keep if write_here else 0,
-             **flags)))
+             WALK_GATHER=walk_gather, **flags)))
     if write_here:
         launches.append(Launch(
             kd_ids_kernel, (n,), ("x", "ids", "lp", "y", "xk", "loss", "stats", "grad"), scalars,
             (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"),
-             Buf("grad", (n, vocab), LOGITS)), KD_IDS_WARPS, dict(ALIGN=cfg.align, **flags),
+             Buf("grad", (n, vocab), LOGITS)), KD_IDS_WARPS,
+            dict(ALIGN=cfg.align, WALK_GATHER=walk_gather, **flags),
             aliases=((5, 0), (6, 1), (7, 2))))
     if write_grad and not fused:
         launches.append(kd_bwd_launch(n, vocab, k, scalars, flags, cfg))

@@ -75,6 +75,19 @@ def kd_keep_tiles(vocab: int, itemsize: int, softcap, exps: int) -> int:
     return sum(vocab >= v for v in KD_KEEP_VOCAB[itemsize])
 
 
+# kd_fwd_kernel's row walk gathers the logits at the teacher ids for kd_ids_kernel (issued
+# before its gradient pass, while the row is in L2) where the rows are 16-byte aligned; on
+# unaligned rows the ids kernel gathers them itself. H100, bf16, N=8192, K=64, kd_loss, the
+# walk + ids kernel, ms walk gathers / ids kernel gathers (benchmarks/keep_ab.py --gather,
+# results/kd_gather_h100.txt): V=50257 0.927 / 0.670 (unaligned), 50256 0.637 / 0.650, 32000
+# 0.413 / 0.425, 65536 0.902 / 0.902, 128256 1.619 / 1.643. (distill_loss at V=50257: 0.934 /
+# 0.921, slow either way: not understood.)
+def kd_walk_gathers(vocab: int, itemsize: int) -> bool:
+    """Whether kd_fwd_kernel's row walk gathers the logits at the teacher ids (rows of
+    `vocab` `itemsize`-byte logits start 16-byte aligned; itemsize 0: unknown, no)."""
+    return itemsize > 0 and vocab_align(vocab) * itemsize >= 16
+
+
 # The fused forward + gradient over many rows splits each row over programs of one launch that
 # exchange their statistics (kernels/cross_entropy.ce_split_fused_kernel) for rows of at least
 # SPLIT_FUSED_MIN_ROW_BYTES: between a column's statistics read and its gradient re-read the
@@ -91,6 +104,12 @@ SPLIT_FUSED_MIN_ROW_BYTES = 448 * 1024
 SPLIT_FUSED_SLICE_BYTES = 96 * 1024
 SPLIT_FUSED_TILE_ELEMS = 8192
 SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
+# Whole tiles of its slice a program of the split kernel keeps in registers (as KEEP_VOCAB), per
+# itemsize. H100, N=8192, the kernel alone, KEEP = 0 (with the prefetch) / 1 / 2, ms
+# (benchmarks/ce_instructions.py --split-keep, results/ce_split_keep_h100.txt): bf16 V=256000
+# 3.538 / 3.337 / 4.658; float32 V=128256 3.095 / 4.468 / 4.753, V=256000 6.368 / 8.920 / 9.247
+# (57 to 125 registers a thread against 40-64 without: fewer programs per SM).
+SPLIT_FUSED_KEEP = {2: 1}
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
@@ -167,7 +186,7 @@ def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
 
 
 def split_fused_config(n_rows: int, vocab: int, itemsize: int,
-                       num_sms: int = DEFAULT_NUM_SMS) -> RowConfig | None:
+                       num_sms: int = DEFAULT_NUM_SMS, softcap=None) -> RowConfig | None:
     """The config of the one-launch split forward + gradient (num_splits programs a row,
     split_v columns each), or None where the whole-row walk of row_config is faster (few rows,
     or rows shorter than SPLIT_FUSED_MIN_ROW_BYTES of `itemsize`-byte logits)."""
@@ -178,8 +197,9 @@ def split_fused_config(n_rows: int, vocab: int, itemsize: int,
     per_slice = max(1, SPLIT_FUSED_SLICE_BYTES // (block_v * itemsize),
                     triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
     split_v = per_slice * block_v
+    keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
-                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB)
+                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB and not keep, keep)
 
 
 def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
