@@ -35,7 +35,8 @@ PREFETCH_MIN_VOCAB = 65536
 # the gradient pass's last (it walks backwards), the ones whose re-read missed L2 most, and with
 # them out of L2 the rest of the row fits better (132 rows in flight). A 16384-element tile is
 # 8 registers a thread for 16-bit logits, 16 for float32; the softcap's arithmetic then spills
-# (ptxas, sm_90), so softcapped rows keep nothing. With tiles kept the prefetch gains nothing
+# (Triton 3.6 on H100, bf16: 16 bytes at KEEP=1, 154 at 2; results/registers_h100_triton36.txt),
+# so softcapped rows keep nothing. With tiles kept the prefetch gains nothing
 # and is off. H100, N=8192, the kernel alone (benchmarks/results/ce_keep_h100.txt), ms at
 # KEEP = 0 (with the prefetch where it is on) / 1 / 2, and KEEP's best x the logits' copy:
 #   bf16  V=32000 0.364/0.482/0.568   50257 0.610/0.785/0.836   100000 1.255/1.247/1.297
