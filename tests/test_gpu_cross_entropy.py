@@ -96,3 +96,33 @@ def test_auto_implementation_is_triton_and_scaled_cotangent():
     grad = jax.jit(jax.grad(lambda a: 0.5 * jax_fusedloss.cross_entropy(a, _jax(y))))(_jax(x))
     assert_grad_close(torch.from_dlpack(grad).float().cpu(), 0.5 * rgrad.cpu() / n_valid,
                       "bfloat16", what="scaled mean grad")
+
+
+@pytest.mark.parametrize("v,kernel,keep", [(151936, "ce_fwd_kernel", 2),
+                                           (128256, "ce_fwd_kernel", 1),
+                                           (256000, "ce_split_fused_kernel", 1),
+                                           (255999, "ce_split_fused_kernel", 1)])
+def test_kept_tiles_in_place_equals_out_of_place(v, kernel, keep):
+    """The fused forward + gradient that keeps tiles in registers (launch.keep_tiles,
+    SPLIT_FUSED_KEEP) writing its gradient over the logits (linear_cross_entropy's chunks)
+    gives the same loss, lse, coefficients and gradient, bit for bit, as with a separate
+    gradient buffer (compiled kernels, torch_ref's plan executor)."""
+    from jax_fusedloss.kernels import cross_entropy as ce
+    from torch_ref import _launch
+
+    n = 2048
+    x, y = _inputs(n, v, "bfloat16", seed=v)
+    y = y.to(torch.int32)
+    scale = torch.rand(n, device=DEV)
+    outs = {}
+    for in_place in (False, True):
+        plan = ce.ce_fwd_plan(n, v, ignore_index=-100, smoothing=0.0, z_loss=1e-4, softcap=None,
+                              num_sms=_launch.num_sms(x), write_grad=True, itemsize=2,
+                              in_place=in_place)
+        step = plan.launches[0]
+        assert step.kernel.__name__ == kernel and step.constexprs["KEEP"] == keep
+        xi = x.clone()
+        outs[in_place] = _launch.run_plan(plan, x=xi, y=y, row_scale=scale)
+        assert (outs[in_place][3].data_ptr() == xi.data_ptr()) == in_place
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
