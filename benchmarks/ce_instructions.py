@@ -359,7 +359,7 @@ def run_split(x, y, splits, block, prefetch, polls=None):
     knobs = dict(SPLIT_FUSED_MIN_ROW_BYTES=0 if splits > 1 else 1 << 60,
                  SPLIT_FUSED_SLICE_BYTES=triton.cdiv(triton.cdiv(v, block), splits) * block
                  * x.element_size(), SPLIT_FUSED_TILE_ELEMS=block, GRAD_TILE_ELEMS=block,
-                 PREFETCH_MIN_VOCAB=0 if prefetch else 1 << 60,
+                 PREFETCH_MIN_VOCAB=0 if prefetch else 1 << 60, SPLIT_FUSED_KEPT_TILE={},
                  SPLIT_FUSED_POLLS=launch.SPLIT_FUSED_POLLS if polls is None else polls)
     saved = {k: getattr(launch, k) for k in knobs}
     for k, val in knobs.items():
@@ -419,9 +419,26 @@ def main_split_keep():
         torch.cuda.empty_cache()
 
 
+def main_split_sweep():
+    """--split-sweep: bf16 V=256000, the split kernel's programs per row and tile with and
+    without a kept tile."""
+    from jax_fusedloss.kernels import launch
+
+    x, y, ref_loss, ref_g, copy, prod = _setup(torch.bfloat16, 256000)
+    for block, splits in ((8192, 6), (8192, 4), (8192, 8), (8192, 11), (4096, 6), (4096, 11),
+                          (4096, 16)):
+        for keep in (1, 0):
+            saved, launch.SPLIT_FUSED_KEEP = launch.SPLIT_FUSED_KEEP, {2: keep}
+            fn, got = run_split(x, y, splits, block, int(not keep))
+            launch.SPLIT_FUSED_KEEP = saved
+            _measure(f"  split B={block} S={got} keep={keep}:", fn, ref_loss, ref_g, copy, prod)
+
+
 def main():
     import sys
 
+    if "--split-sweep" in sys.argv:
+        return main_split_sweep()
     if "--split-keep" in sys.argv:
         return main_split_keep()
 

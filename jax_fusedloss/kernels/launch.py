@@ -111,6 +111,12 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # 3.538 / 3.337 / 4.658; float32 V=128256 3.095 / 4.468 / 4.753, V=256000 6.368 / 8.920 / 9.247
 # (57 to 125 registers a thread against 40-64 without: fewer programs per SM).
 SPLIT_FUSED_KEEP = {2: 1}
+# A program that keeps a tile prefers smaller tiles and slices (itemsize -> (tile elements,
+# slice bytes)); bf16 V=256000, ms with a tile kept, tile x programs a row (--split-sweep,
+# results/ce_split_sweep_h100.txt): 8192 x 6 (96 KiB) 3.339, 8192 x 11 3.996, 4096 x 11
+# 3.198, 4096 x 16 (32 KiB) 3.116 (1.125x copy); keeping none: 8192 x 6 3.539, 8192 x 11
+# 3.205, 4096 x 16 3.258.
+SPLIT_FUSED_KEPT_TILE = {2: (4096, 32 * 1024)}
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
@@ -193,12 +199,15 @@ def split_fused_config(n_rows: int, vocab: int, itemsize: int,
     or rows shorter than SPLIT_FUSED_MIN_ROW_BYTES of `itemsize`-byte logits)."""
     if n_rows < PROGRAMS_PER_SM * num_sms or vocab * itemsize < SPLIT_FUSED_MIN_ROW_BYTES:
         return None
-    block_v, num_warps = _tile(vocab, SPLIT_FUSED_TILE_ELEMS)
+    keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
+    tile, slice_bytes = SPLIT_FUSED_TILE_ELEMS, SPLIT_FUSED_SLICE_BYTES
+    if keep:
+        tile, slice_bytes = SPLIT_FUSED_KEPT_TILE.get(itemsize, (tile, slice_bytes))
+    block_v, num_warps = _tile(vocab, tile)
     n_tiles = triton.cdiv(vocab, block_v)
-    per_slice = max(1, SPLIT_FUSED_SLICE_BYTES // (block_v * itemsize),
+    per_slice = max(1, slice_bytes // (block_v * itemsize),
                     triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
     split_v = per_slice * block_v
-    keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
                      vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB and not keep, keep)
 
