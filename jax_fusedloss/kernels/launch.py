@@ -111,12 +111,13 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # 3.538 / 3.337 / 4.658; float32 V=128256 3.095 / 4.468 / 4.753, V=256000 6.368 / 8.920 / 9.247
 # (57 to 125 registers a thread against 40-64 without: fewer programs per SM).
 SPLIT_FUSED_KEEP = {2: 1}
-# A program that keeps a tile prefers smaller tiles and slices (itemsize -> (tile elements,
-# slice bytes)); bf16 V=256000, ms with a tile kept, tile x programs a row (--split-sweep,
-# results/ce_split_sweep_h100.txt): 8192 x 6 (96 KiB) 3.339, 8192 x 11 3.996, 4096 x 11
-# 3.198, 4096 x 16 (32 KiB) 3.116 (1.125x copy); keeping none: 8192 x 6 3.539, 8192 x 11
-# 3.205, 4096 x 16 3.258.
-SPLIT_FUSED_KEPT_TILE = {2: (4096, 32 * 1024)}
+# Tiles and slices of a program that keeps a tile (itemsize -> (tile elements, slice bytes));
+# none: SPLIT_FUSED_TILE_ELEMS and SPLIT_FUSED_SLICE_BYTES. bf16 V=256000 with a tile kept,
+# tile x programs a row, ms (--split-sweep, results/ce_split_sweep_h100.txt), the kernel from
+# torch: 8192 x 6 3.339, 8192 x 11 3.996, 4096 x 11 3.198, 4096 x 16 3.116; but from JAX
+# (device_span, value_and_grad) 4096 x 16 took 3.915 ms against 3.340 for 8192 x 6, not
+# understood (the exchange's abandon path?), so the default stays.
+SPLIT_FUSED_KEPT_TILE: dict[int, tuple[int, int]] = {}
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
