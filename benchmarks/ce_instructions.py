@@ -359,7 +359,7 @@ def run_split(x, y, splits, block, prefetch, polls=None):
     knobs = dict(SPLIT_FUSED_MIN_ROW_BYTES=0 if splits > 1 else 1 << 60,
                  SPLIT_FUSED_SLICE_BYTES=triton.cdiv(triton.cdiv(v, block), splits) * block
                  * x.element_size(), SPLIT_FUSED_TILE_ELEMS=block, GRAD_TILE_ELEMS=block,
-                 PREFETCH_MIN_VOCAB=0 if prefetch else 1 << 60, SPLIT_FUSED_KEPT_TILE={},
+                 PREFETCH_MIN_VOCAB=0 if prefetch else 1 << 60,
                  SPLIT_FUSED_POLLS=launch.SPLIT_FUSED_POLLS if polls is None else polls)
     saved = {k: getattr(launch, k) for k in knobs}
     for k, val in knobs.items():

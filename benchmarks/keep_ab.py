@@ -31,25 +31,25 @@ def _inputs(v, n=8192, k=64, dtype=torch.bfloat16):
 
 
 def _fused(x, ids, lp, y, op, temperature, keep=None, walk_gather=None):
-    """A call of torch_ref's fused forward + gradient with KEEP (kd_fwd_plan's kd_keep_tiles
+    """A call of torch_ref's fused forward + gradient with KEEP (launch.kd_keep_tiles
     replaced) and/or the walk's gather at the ids (launch.kd_walk_gathers) forced; the
     plan is built per call, under the patches."""
-    from jax_fusedloss.kernels import kd, launch
+    from jax_fusedloss.kernels import launch
     from torch_ref.kd import _rows
 
     scale = torch.ones(x.shape[0], 2, device="cuda", dtype=torch.float32)
 
     def fn():
-        saved = kd.kd_keep_tiles, launch.kd_walk_gathers
+        saved = launch.kd_keep_tiles, launch.kd_walk_gathers
         if keep is not None:
-            kd.kd_keep_tiles = lambda *_: keep
+            launch.kd_keep_tiles = lambda *_: keep
         if walk_gather is not None:
             launch.kd_walk_gathers = lambda *_: walk_gather
         try:
             return _rows(x, ids, lp, y, scale, temperature, "full", op == "distill_loss", -100,
                          True)
         finally:
-            kd.kd_keep_tiles, launch.kd_walk_gathers = saved
+            launch.kd_keep_tiles, launch.kd_walk_gathers = saved
     return fn
 
 

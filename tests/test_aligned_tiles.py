@@ -207,7 +207,6 @@ def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch)
     monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE_BYTES", 192 * (2 if dtype == "bfloat16" else 4))
     monkeypatch.setattr(launch, "SPLIT_FUSED_POLLS", 2)
     monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
-    monkeypatch.setattr(launch, "SPLIT_FUSED_KEPT_TILE", {})  # the tiles and slices above
     plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"splits={splits}")
     assert plan.launches[0].kernel is ce.ce_split_fused_kernel
     assert plan.launches[0].constexprs["NUM_SPLITS"] == splits

@@ -33,7 +33,7 @@ from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
 from jax_fusedloss.kernels import launch
-from jax_fusedloss.kernels.launch import KD_IDS_WARPS, kd_keep_tiles, merge_block, row_config
+from jax_fusedloss.kernels.launch import KD_IDS_WARPS, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
@@ -574,7 +574,8 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     keeps none)."""
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
     cfg = row_config(n, vocab, num_sms, write_grad,
-                     kd_keep_tiles(vocab, itemsize, softcap, flags["DISTILL"] + flags["KD_STATS"]))
+                     launch.kd_keep_tiles(vocab, itemsize, softcap,
+                                          flags["DISTILL"] + flags["KD_STATS"]))
     inv_temp = 1.0 / temperature
     cap = float(softcap or 1.0)
     scalars = (vocab, k, vocab, inv_temp, ignore_index, float(smoothing), float(z_loss), cap)

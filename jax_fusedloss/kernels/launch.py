@@ -48,11 +48,14 @@ PREFETCH_MIN_VOCAB = 65536
 KEEP_VOCAB = {2: (120_000, 140_000), 4: (40_000, 1 << 62)}
 
 
-def keep_tiles(vocab: int, itemsize: int, softcap) -> int:
-    """The KEEP constexpr of the fused cross-entropy row walk (see KEEP_VOCAB)."""
-    if softcap is not None or itemsize not in KEEP_VOCAB:
+def keep_tiles(vocab: int, itemsize: int, softcap, table=None) -> int:
+    """The KEEP constexpr of a fused row walk: the thresholds of `table` (itemsize -> vocab
+    levels; KEEP_VOCAB, the cross-entropy kernel's, by default) that `vocab` reaches; none
+    with a softcap or an itemsize the table does not list."""
+    table = KEEP_VOCAB if table is None else table
+    if softcap is not None or itemsize not in table:
         return 0
-    return sum(vocab >= v for v in KEEP_VOCAB[itemsize])
+    return sum(vocab >= v for v in table[itemsize])
 
 
 # The same for kd_loss / distill_loss's fused row walk (kernels/kd.kd_fwd_kernel), where the
@@ -71,9 +74,7 @@ KD_KEEP_VOCAB = {2: (120_000, 120_000)}
 def kd_keep_tiles(vocab: int, itemsize: int, softcap, exps: int) -> int:
     """The KEEP constexpr of kd_fwd_kernel's fused row walk for rows taking `exps`
     exponentials per element (see KD_KEEP_VOCAB)."""
-    if softcap is not None or exps != 1 or itemsize not in KD_KEEP_VOCAB:
-        return 0
-    return sum(vocab >= v for v in KD_KEEP_VOCAB[itemsize])
+    return keep_tiles(vocab, itemsize, softcap, KD_KEEP_VOCAB) if exps == 1 else 0
 
 
 # kd_fwd_kernel's row walk gathers the logits at the teacher ids for kd_ids_kernel (issued
@@ -109,15 +110,11 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # itemsize. H100, N=8192, the kernel alone, KEEP = 0 (with the prefetch) / 1 / 2, ms
 # (benchmarks/ce_instructions.py --split-keep, results/ce_split_keep_h100.txt): bf16 V=256000
 # 3.538 / 3.337 / 4.658; float32 V=128256 3.095 / 4.468 / 4.753, V=256000 6.368 / 8.920 / 9.247
-# (57 to 125 registers a thread against 40-64 without: fewer programs per SM).
+# (57 to 125 registers a thread against 40-64 without: fewer programs per SM). Smaller tiles
+# and slices with a tile kept (bf16 V=256000, tile x programs a row, --split-sweep,
+# results/ce_split_sweep_h100.txt): from torch 4096 x 16 took 3.116 ms against 3.339 for
+# 8192 x 6, but from JAX (device_span) 3.915 against 3.340, not understood: not adopted.
 SPLIT_FUSED_KEEP = {2: 1}
-# Tiles and slices of a program that keeps a tile (itemsize -> (tile elements, slice bytes));
-# none: SPLIT_FUSED_TILE_ELEMS and SPLIT_FUSED_SLICE_BYTES. bf16 V=256000 with a tile kept,
-# tile x programs a row, ms (--split-sweep, results/ce_split_sweep_h100.txt), the kernel from
-# torch: 8192 x 6 3.339, 8192 x 11 3.996, 4096 x 11 3.198, 4096 x 16 3.116; but from JAX
-# (device_span, value_and_grad) 4096 x 16 took 3.915 ms against 3.340 for 8192 x 6, not
-# understood (the exchange's abandon path?), so the default stays.
-SPLIT_FUSED_KEPT_TILE: dict[int, tuple[int, int]] = {}
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
@@ -201,12 +198,9 @@ def split_fused_config(n_rows: int, vocab: int, itemsize: int,
     if n_rows < PROGRAMS_PER_SM * num_sms or vocab * itemsize < SPLIT_FUSED_MIN_ROW_BYTES:
         return None
     keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
-    tile, slice_bytes = SPLIT_FUSED_TILE_ELEMS, SPLIT_FUSED_SLICE_BYTES
-    if keep:
-        tile, slice_bytes = SPLIT_FUSED_KEPT_TILE.get(itemsize, (tile, slice_bytes))
-    block_v, num_warps = _tile(vocab, tile)
+    block_v, num_warps = _tile(vocab, SPLIT_FUSED_TILE_ELEMS)
     n_tiles = triton.cdiv(vocab, block_v)
-    per_slice = max(1, slice_bytes // (block_v * itemsize),
+    per_slice = max(1, SPLIT_FUSED_SLICE_BYTES // (block_v * itemsize),
                     triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
     split_v = per_slice * block_v
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
