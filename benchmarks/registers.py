@@ -16,7 +16,8 @@ from jax_fusedloss.kernels import kd, launch
 from tests.sm90_compile import compile_sm90
 from tests.sm90_plans import _specs
 
-KEYS = ("KEEP", "PREFETCH", "ALIGN", "HAS_SOFTCAP", "WALK_GATHER", "DISTILL", "KD_STATS")
+KEYS = ("KEEP", "PREFETCH", "ALIGN", "HAS_SOFTCAP", "WALK_GATHER", "DISTILL", "CE_STATS",
+        "KD_STATS")
 
 
 def show(tag, kern, sig, cx, w):
@@ -51,6 +52,18 @@ def main():
         for spec in _specs(plan, "bf16", types):
             if spec[0].__name__ == "kd_fwd_kernel":
                 show(f"kd V={v} distill={distill} T={t}", *spec)
+    # distill_loss T=2 with and without the power form (launch.kd_power forced)
+    for v, power in itertools.product((32000, 50257, 128256), (False, True)):
+        saved = launch.kd_power
+        launch.kd_power = lambda *_, p=power: p
+        try:
+            plan = kd.kd_fwd_plan(8192, v, 64, temperature=2.0, normalize="full", distill=True,
+                                  ignore_index=-100, num_sms=132, write_grad=True, itemsize=2)
+        finally:
+            launch.kd_power = saved
+        for spec in _specs(plan, "bf16", types):
+            if spec[0].__name__ == "kd_fwd_kernel":
+                show(f"distill T=2 V={v} power={power}", *spec)
 
 
 if __name__ == "__main__":

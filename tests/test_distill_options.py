@@ -25,7 +25,8 @@ IGNORE = -100
 ALL = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
 # name -> (options, reduction, normalize, temperature). Each option alone and all combined;
 # between them every reduction and both normalizations, T = 1 (the KD term shares the
-# cross-entropy's softmax) and T != 1 (its own softmax of z / T).
+# cross-entropy's softmax), T != 1 (its own softmax of z / T) and integer T = 2, 3 with "full"
+# (the cross-entropy's softmax as the T-th power of the KD term's: kd.POWER_TEMPERATURES).
 CASES = {
     "smoothing": (dict(label_smoothing=0.2), "mean", "full", 2.0),
     "z_loss": (dict(z_loss=1e-2), "sum", "topk", 1.5),
@@ -33,6 +34,7 @@ CASES = {
     "all-t1": (ALL, "mean", "full", 1.0),
     "all-topk": (ALL, "none", "topk", 2.0),
     "all-t07": (ALL, "sum", "full", 0.7),
+    "all-t3": (ALL, "mean", "full", 3.0),
 }
 # The path picks the shape: "rows" V=37 (odd, below one tile) on the fused row path, "split"
 # V=5003 (odd, two tiles) on the split path (partials, merge, gradient pass).
@@ -133,9 +135,37 @@ def run(impl, x, y, ids, lp, mask, w, grad=True, **opts):
     return loss, g
 
 
+def test_power_form_where_the_temperature_is_an_integer():
+    """distill_loss at T in kd.POWER_TEMPERATURES with "full" takes the cross-entropy's
+    softmax as the T-th power of the KD term's (CE_STATS = T) where launch.kd_power allows it
+    (long 16-bit rows); other temperatures, "topk", kd_loss and short rows keep their own
+    exponentials."""
+    from jax_fusedloss.kernels import kd, launch
+
+    def ce_stats(vocab, t, normalize="full", distill=True, itemsize=2):
+        plan = kd.kd_fwd_plan(8192, vocab, 64, temperature=t, normalize=normalize,
+                              distill=distill, ignore_index=-100, num_sms=132, write_grad=True,
+                              itemsize=itemsize)
+        return plan.launches[0].constexprs["CE_STATS"], plan.launches[0].constexprs["KEEP"]
+
+    assert launch.kd_power(128256, 2) and not launch.kd_power(50257, 2)
+    assert not launch.kd_power(128256, 0)
+    assert ce_stats(128256, 2.0) == (2, 2)  # one exp per logit: tiles kept as at T = 1
+    assert ce_stats(128256, 4.0)[0] == 4 and ce_stats(128256, 3.0)[0] == 3
+    assert ce_stats(128256, 1.5) == (1, 0) and ce_stats(128256, 1.0) == (1, 2)
+    assert ce_stats(128256, 2.0, normalize="topk")[0] == 1
+    assert ce_stats(128256, 2.0, distill=False)[0] == 0
+    assert ce_stats(50257, 2.0)[0] == 1
+
+
 @pytest.mark.parametrize("case,dtype,impl,path_name", GRID)
 def test_options_against_float64(impl, path_name, case, dtype, monkeypatch):
+    """Every case against the float64 reference; distill_loss's power form (CE_STATS = T at
+    an integer T, "full": "smoothing" and "all-t3") forced on at these short rows."""
+    from jax_fusedloss.kernels import launch
+
     force_path(path_name, monkeypatch)
+    monkeypatch.setattr(launch, "KD_POWER_MIN_VOCAB", {2: 0, 4: 0})
     options, reduction, normalize, t = CASES[case]
     shape, k = SHAPES[path_name]
     x, y, ids, lp, mask, w = make_inputs(sorted(CASES).index(case), shape, k, dtype)

@@ -62,26 +62,42 @@ def load_z(ptr, offs, mask, softcap, HAS_SOFTCAP: tl.constexpr, EVICTION: tl.con
 
 
 @triton.jit
+def int_power(e, P: tl.constexpr):
+    """e**P for a constexpr integer P >= 1, by P - 1 multiplies."""
+    r = e
+    for _ in tl.static_range(P - 1):
+        r = r * e
+    return r
+
+
+@triton.jit
 def _fold(m, s, s_kd, sumz, z, mask, c_kd, HAS_SMOOTHING: tl.constexpr, CE_STATS: tl.constexpr,
           KD_STATS: tl.constexpr, MASKED: tl.constexpr, AXIS: tl.constexpr):
     """One online-softmax step of slice_stats' (m, s, s_kd, sum z) over a tile z (float32,
     -inf at masked lanes), reduced along AXIS: 0 for a 1-D tile into scalars, 1 for a
     [T, VEC] tile whose rows are each one thread's 16-byte vector into per-thread statistics
     of shape [T] (reductions that stay in a thread's registers: no block reduction and no
-    barrier per tile)."""
+    barrier per tile). CE_STATS: 0 no s, 1 s from its own exp per element, an integer
+    p >= 2 (with KD_STATS and c_kd = log2(e) / p, i.e. a temperature T = p) s from the KD
+    term's exp((z - m) / p) to the p-th power, one exp per element instead of two."""
     m_new = tl.maximum(m, tl.max(z, axis=AXIS))
     ms = safe_max(m_new)
     if AXIS == 1:
         d = z - ms[:, None]
     else:
         d = z - ms
+    if KD_STATS:
+        alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
+        e_kd = tl.math.exp2(d * c_kd)
+        s_kd = s_kd * alpha_kd + tl.sum(e_kd, axis=AXIS)
     if CE_STATS:
         # at most FLT_MAX: a sum that is 0 stays 0 when the max jumps to +inf
         alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
-        s = s * alpha + tl.sum(tl.exp(d), axis=AXIS)
-    if KD_STATS:
-        alpha_kd = tl.minimum(tl.math.exp2((m - ms) * c_kd), 3.4028234663852886e38)
-        s_kd = s_kd * alpha_kd + tl.sum(tl.math.exp2(d * c_kd), axis=AXIS)
+        if CE_STATS >= 2:
+            e = int_power(e_kd, CE_STATS)  # exp(d) = exp(d / T)**T: no second exp
+        else:
+            e = tl.exp(d)
+        s = s * alpha + tl.sum(e, axis=AXIS)
     if HAS_SMOOTHING:
         sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=AXIS)
     return m_new, s, s_kd, sumz
@@ -105,7 +121,8 @@ def slice_stats(x_ptr, row_off, label, start, stop, softcap, kd_scale, BLOCK_V: 
     (_online's aligned tile walk): (m, s, s_kd, sum z, z[label], kept0, kept1).
 
     m is the max of z (the reference of both sums: z / T has its max at the same column),
-    s = sum exp(z - m) (CE_STATS), s_kd = sum exp((z - m) * kd_scale) (KD_STATS), sum z
+    s = sum exp(z - m) (CE_STATS; an integer p >= 2 takes it from the KD term's exponentials,
+    see _fold), s_kd = sum exp((z - m) * kd_scale) (KD_STATS), sum z
     (HAS_SMOOTHING, else 0) and z[label] if label lies in [start, stop) (else 0). The sums
     are relative to safe_max(m): logsumexp(z) = stats_to_lse(m, s) and
     logsumexp(z * kd_scale) = scaled_lse(m, s_kd, kd_scale). Each sum costs one exp per

@@ -27,8 +27,9 @@ launch them identically. Imports triton only.
 import triton
 import triton.language as tl
 
-from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, label_state, load_raw,
-                                            load_z, merge_scaled, scaled_lse, slice_stats, to_z)
+from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, int_power, label_state,
+                                            load_raw, load_z, merge_scaled, scaled_lse,
+                                            slice_stats, to_z)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
@@ -42,6 +43,10 @@ DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BL
 # softmaxes as softmax(z) = exp((z - r) - lg_x) and softmax(s) = exp((z - r_L) / T - lg_L)
 # at the ids (r_L = r unless "topk"), accurate whatever |lse|.
 STATS_FIELDS = tl.constexpr(9)  # a constexpr global: the kernels read it
+# distill_loss temperatures whose cross-entropy softmax can be taken as the T-th power of the
+# KD term's exp((z - m) / T) (CE_STATS = T; where launch.kd_power says so): one exp per logit
+# and pass instead of two
+POWER_TEMPERATURES = (2.0, 3.0, 4.0)
 
 
 @triton.jit
@@ -87,7 +92,7 @@ def _log_sum(s, lse):
 
 @triton.jit
 def _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL: tl.constexpr,
-                   KD_STATS: tl.constexpr):
+                   CE_STATS: tl.constexpr, KD_STATS: tl.constexpr):
     """Exponent offsets and signs of the dense gradient, relative to the row's max r of z:
     coef_x * softmax(z)_j + coef_s * softmax(s)_j = sgn_x * exp2((z_j - r) * LOG2E - off_x) +
     sgn_s * exp2((z_j - r) * inv_temp * LOG2E - off_s), with lg_x = log sum exp(z - r) and
@@ -96,7 +101,8 @@ def _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL: tl.constexpr,
     and one exp2 per term, and z - r is exact where z is near the max (a float32 lse would
     lose |lse| * 2**-24 in every exponent). With FULL and no KD_STATS the temperature is 1 and
     both softmaxes are one. A NaN `a` (a bad label, a NaN lse) or lg makes an offset NaN: a
-    NaN row, no per-column check."""
+    NaN row, no per-column check. With an integer CE_STATS = T >= 2 (_ce_core._fold) the
+    signs come back as signed weights sgn * exp2(-off) (_dense_value's power form)."""
     coef_x = a
     coef_s = kd_a * inv_temp * P
     if FULL:
@@ -104,7 +110,12 @@ def _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL: tl.constexpr,
             coef_x = a + coef_s
     off_x = lg_x * LOG2E - tl.log2(tl.abs(coef_x))
     off_s = lg_L * LOG2E - tl.log2(tl.abs(coef_s))
-    return off_x, tl.where(coef_x < 0.0, -1.0, 1.0), off_s, tl.where(coef_s < 0.0, -1.0, 1.0)
+    sgn_x = tl.where(coef_x < 0.0, -1.0, 1.0)
+    sgn_s = tl.where(coef_s < 0.0, -1.0, 1.0)
+    if CE_STATS >= 2:
+        sgn_x = sgn_x * tl.math.exp2(-off_x)
+        sgn_s = sgn_s * tl.math.exp2(-off_s)
+    return off_x, sgn_x, off_s, sgn_s
 
 
 @triton.jit
@@ -112,12 +123,20 @@ def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
                  KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_SMOOTHING: tl.constexpr):
     """The dense gradient at columns with d = z - r (dz = dz/dx): (coef_x softmax(z) +
-    coef_s softmax(s) - c) * dz."""
+    coef_s softmax(s) - c) * dz. With an integer CE_STATS = T >= 2 one exp per column:
+    q = exp(d / T), coef_x softmax(z) = sgn_x q**T and coef_s softmax(s) = sgn_s q, the signs
+    being _dense_offsets' signed weights (an underflow of q**T below float32's normal range
+    where the exp form would have kept a subnormal: a difference under 2**-126 times the
+    weight)."""
     g = tl.zeros_like(d)
-    if CE_STATS:
-        g += sgn_x * tl.math.exp2(d * LOG2E - off_x)
-    if KD_STATS:
-        g += sgn_s * tl.math.exp2(d * (inv_temp * LOG2E) - off_s)
+    if CE_STATS >= 2:
+        q = tl.math.exp2(d * (inv_temp * LOG2E))
+        g += sgn_s * q + sgn_x * int_power(q, CE_STATS)
+    else:
+        if CE_STATS:
+            g += sgn_x * tl.math.exp2(d * LOG2E - off_x)
+        if KD_STATS:
+            g += sgn_s * tl.math.exp2(d * (inv_temp * LOG2E) - off_s)
     if HAS_SMOOTHING:
         g -= c
     if HAS_SOFTCAP:
@@ -127,28 +146,28 @@ def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
 
 @triton.jit
 def _dense_tile(x_ptr, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                EVICTION: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+                EVICTION: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
                 HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
     """Writes the dense gradient of one tile (x at x_ptr + offs, gradient at g_ptr + offs):
     zeros without a load when there is none ("topk" kd_loss). MASKED=False: a tile wholly
     inside the row, loaded and stored without a mask."""
     x = tl.zeros(offs.shape, x_ptr.dtype.element_ty)
-    if DISTILL or KD_STATS:
+    if CE_STATS or KD_STATS:
         x = load_raw(x_ptr, offs, mask, EVICTION, MASKED)
     _dense_store(x, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                 EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, MASKED)
+                 EVICTION, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, MASKED)
 
 
 @triton.jit
 def _dense_store(x, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                 EVICTION: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
+                 EVICTION: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
-    """_dense_tile of a tile x of raw logits already in registers (not read without DISTILL
+    """_dense_tile of a tile x of raw logits already in registers (not read without CE_STATS
     or KD_STATS)."""
-    if DISTILL or KD_STATS:
+    if CE_STATS or KD_STATS:
         z, dz = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
-        g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL, KD_STATS,
-                         HAS_SOFTCAP, HAS_SMOOTHING)
+        g = _dense_value(z - r, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS,
+                         KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
     else:
         g = tl.zeros(offs.shape, tl.float32)
     if MASKED:
@@ -161,7 +180,7 @@ def _dense_store(x, g_ptr, offs, mask, r, off_x, sgn_x, off_s, sgn_s, c, inv_tem
 @triton.jit
 def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_temp, softcap,
                  start, stop, kept0, kept1, EVICTION: tl.constexpr, BLOCK_V: tl.constexpr,
-                 ALIGN: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
+                 ALIGN: tl.constexpr, FULL: tl.constexpr, CE_STATS: tl.constexpr,
                  KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_SMOOTHING: tl.constexpr, KEEP: tl.constexpr):
     """Writes the dense part of the unit-cotangent gradient of columns [start, stop) of one row,
@@ -174,13 +193,13 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_t
     registers (slice_stats' kept0, kept1; any placeholder with KEEP = 0), written last. The id
     and label columns are _write_ids'."""
     off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
-                                                KD_STATS)
+                                                CE_STATS, KD_STATS)
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     k0, k1, lo = vector_span(x_off, start, stop, ALIGN, VEC)
     if ALIGN < VEC:
         cols, mask = edge_tile(start, stop, lo, k1, VEC)
         _dense_tile(x_ptr + x_off, g_ptr + g_off, cols, mask, r, off_x, sgn_x, off_s, sgn_s, c,
-                    inv_temp, softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
+                    inv_temp, softcap, EVICTION, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
                     True)
     xs = span_ptr(x_ptr, x_off, lo, ALIGN, VEC)
     gs = span_ptr(g_ptr, g_off, lo, ALIGN, VEC)
@@ -188,19 +207,19 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_t
     for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
         t = k + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
+                    EVICTION, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, True)
     for i in range(0, n_full - KEEP):
         t = k0 + (n_full - 1 - i) * BLOCK_V + tl.arange(0, BLOCK_V)
         _dense_tile(xs, gs, t, t < k1, r, off_x, sgn_x, off_s, sgn_s, c, inv_temp, softcap,
-                    EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
+                    EVICTION, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, False)
     rr = tl.arange(0, BLOCK_V // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     if KEEP >= 2:
         _dense_store(kept1, gs, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, r, off_x, sgn_x,
-                     off_s, sgn_s, c, inv_temp, softcap, EVICTION, DISTILL, KD_STATS,
+                     off_s, sgn_s, c, inv_temp, softcap, EVICTION, CE_STATS, KD_STATS,
                      HAS_SOFTCAP, HAS_SMOOTHING, True)
     if KEEP >= 1:
         _dense_store(kept0, gs, k0 + rr, rr < n_full * BLOCK_V, r, off_x, sgn_x, off_s, sgn_s,
-                     c, inv_temp, softcap, EVICTION, DISTILL, KD_STATS, HAS_SOFTCAP,
+                     c, inv_temp, softcap, EVICTION, CE_STATS, KD_STATS, HAS_SOFTCAP,
                      HAS_SMOOTHING, True)
 
 
@@ -208,8 +227,8 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_t
 def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, ids, valid, p,
                zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
                BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr,
-               DISTILL: tl.constexpr, KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-               HAS_SMOOTHING: tl.constexpr):
+               DISTILL: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
     """Overwrites the columns of one row's gradient that _write_dense got wrong, those in
     [start, stop), with their complete values computed from scratch in float32:
     1. each valid teacher id (`ids`, `valid`, `p` from _entries, `zk`, `dzk` from _gather):
@@ -247,8 +266,8 @@ def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, i
     tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
         off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
-                                                    KD_STATS)
-        gy = _dense_value(zy - r, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, DISTILL,
+                                                    CE_STATS, KD_STATS)
+        gy = _dense_value(zy - r, 1.0, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS,
                           KD_STATS, False, HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
             gy = gy * dzy
@@ -286,8 +305,9 @@ def kd_fwd_kernel(
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
-    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
     ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr, WALK_GATHER: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
@@ -330,7 +350,7 @@ def kd_fwd_kernel(
     elif DISTILL or KD_STATS:
         m, s, s_kd, sumz, _, kept0, kept1 = slice_stats(
             logits_ptr, row * stride_row, -1, 0, V, softcap, inv_temp, BLOCK_V, ALIGN,
-            HAS_SOFTCAP, HAS_SMOOTHING, DISTILL, KD_STATS, "evict_last" if WRITE_GRAD else "",
+            HAS_SOFTCAP, HAS_SMOOTHING, CE_STATS, KD_STATS, "evict_last" if WRITE_GRAD else "",
             PREFETCH, KEEP if WRITE_GRAD else 0)
     # Softmaxes relative to the max r of z (z - r is exact near the max), not to a float32
     # lse: softmax(z) = exp((z - r) - lg_x); softmax(s) = exp((z - r_L) / T - lg_L).
@@ -388,7 +408,7 @@ def kd_fwd_kernel(
             xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c,
                      kd_a, inv_temp, softcap, 0, V, kept0, kept1, "evict_first", BLOCK_V, ALIGN,
-                     FULL, DISTILL, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
+                     FULL, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
                      KEEP if DISTILL or KD_STATS else 0)
         if WALK_GATHER:
             kk = tl.arange(0, BLOCK_K)
@@ -409,8 +429,9 @@ def kd_ids_kernel(
     loss_ptr, stats_ptr, grad_ptr,
     # constexprs
     BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr,
-    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
-    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr, WALK_GATHER: tl.constexpr,
+    CE_STATS: tl.constexpr, KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr,
+    WALK_GATHER: tl.constexpr,
 ):
     """Grid (N,), after kd_fwd_kernel with WRITE_GRAD, in place: a row's work at its teacher
     ids. ("topk") the softmax over the ids into stats fields 1, 7, 8; the KD term added to
@@ -462,7 +483,7 @@ def kd_ids_kernel(
     _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
                valid, p, zk, dzk, tl.load(st + 5), tl.load(st + 6), r_L, lg_L, tl.load(st + 2),
                a, b, c, kd_a, inv_temp, softcap, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL,
-               KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+               CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -502,9 +523,9 @@ def kd_bwd_kernel(
     grad_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, KD_STATS: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    ALIGN: tl.constexpr,
+    K_CHUNK: tl.constexpr, FULL: tl.constexpr, DISTILL: tl.constexpr, CE_STATS: tl.constexpr,
+    KD_STATS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics (the
     cross-entropy coefficients recomputed from lse and ce_a); only the program whose slice
@@ -524,7 +545,7 @@ def kd_bwd_kernel(
     r, lg_x, r_L, lg_L, P, kd_a = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
                                    tl.load(st + 8), tl.load(st + 2), tl.load(st + 4))
     _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c, kd_a,
-                 inv_temp, softcap, start, stop, a, a, "", BLOCK_V, ALIGN, FULL, DISTILL,
+                 inv_temp, softcap, start, stop, a, a, "", BLOCK_V, ALIGN, FULL, CE_STATS,
                  KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING, 0)
     tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
     x_row = logits_ptr + row * stride_row
@@ -532,24 +553,32 @@ def kd_bwd_kernel(
     zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
                valid, p, zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap,
-               start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL, KD_STATS, HAS_SOFTCAP,
+               start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL, CE_STATS, KD_STATS, HAS_SOFTCAP,
                HAS_SMOOTHING)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int,
                   softcap: float | None = None, smoothing: float = 0.0,
-                  z_loss: float = 0.0) -> dict:
+                  z_loss: float = 0.0, power: bool = False) -> dict:
     """The compile-time switches of kd_fwd_kernel and kd_bwd_kernel, a pure function of the
     options.
 
     KD_STATS: the KD term needs its own online softmax of s = z / T over the vocabulary; a
     distill_loss at T = 1 shares the cross-entropy's instead (one exp per element, not two).
+    CE_STATS: 0 without the cross-entropy term (kd_loss), else 1, or with `power`
+    (launch.kd_power) T for a distill_loss whose temperature is in POWER_TEMPERATURES with
+    KD_STATS (exp(z - m) = exp((z - m) / T)**T: the cross-entropy's softmax costs multiplies,
+    not a second exp; _ce_core._fold).
     BLOCK_K: the teacher entries of a row held in registers at once (a power of two >= 16).
     HAS_SMOOTHING, HAS_ZLOSS: options of the cross-entropy term (distill_loss only).
     """
     full = normalize == "full"
+    kd_stats = full and not (distill and temperature == 1.0)
+    ce_stats = int(bool(distill))
+    if power and distill and kd_stats and temperature in POWER_TEMPERATURES:
+        ce_stats = int(temperature)
     return dict(BLOCK_K=max(16, triton.next_power_of_2(k)), K_CHUNK=DUP_CHUNK, FULL=full,
-                DISTILL=bool(distill), KD_STATS=full and not (distill and temperature == 1.0),
+                DISTILL=bool(distill), CE_STATS=ce_stats, KD_STATS=kd_stats,
                 HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=bool(distill) and smoothing > 0,
                 HAS_ZLOSS=bool(distill) and z_loss > 0)
 
@@ -572,10 +601,11 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     distill's cross-entropy term, softcap to the logits both terms see. itemsize: bytes per
     logit, which sets the tiles the row walk keeps in registers (launch.kd_keep_tiles; 0
     keeps none)."""
-    flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss)
+    flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss,
+                          launch.kd_power(vocab, itemsize))
+    exps = flags["KD_STATS"] + (flags["CE_STATS"] == 1)  # exponentials per logit and pass
     cfg = row_config(n, vocab, num_sms, write_grad,
-                     launch.kd_keep_tiles(vocab, itemsize, softcap,
-                                          flags["DISTILL"] + flags["KD_STATS"]))
+                     launch.kd_keep_tiles(vocab, itemsize, softcap, exps))
     inv_temp = 1.0 / temperature
     cap = float(softcap or 1.0)
     scalars = (vocab, k, vocab, inv_temp, ignore_index, float(smoothing), float(z_loss), cap)
@@ -588,7 +618,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
             kd_partial_kernel, (n, splits), ("x",), (vocab, vocab, inv_temp, cap),
             (Buf("part", (n, splits, 4), "float32"),), cfg.num_warps,
             dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                 CE_STATS=flags["DISTILL"], KD_STATS=flags["KD_STATS"],
+                 CE_STATS=flags["CE_STATS"], KD_STATS=flags["KD_STATS"],
                  HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"])))
     write_here = write_grad and fused
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)

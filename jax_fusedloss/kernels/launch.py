@@ -77,6 +77,26 @@ def kd_keep_tiles(vocab: int, itemsize: int, softcap, exps: int) -> int:
     return keep_tiles(vocab, itemsize, softcap, KD_KEEP_VOCAB) if exps == 1 else 0
 
 
+# distill_loss at an integer temperature T (kernels/kd.POWER_TEMPERATURES) takes the
+# cross-entropy's exp(z - m) as the T-th power of the KD term's exp((z - m) / T) (one exp per
+# logit and pass instead of two: CE_STATS = T) on rows of at least KD_POWER_MIN_VOCAB[itemsize]
+# logits. H100, bf16, N=8192, K=64, the walk + ids kernel from torch (benchmarks/keep_ab.py
+# --power, results/kd_power_h100.txt), ms two exps at KEEP 0 / power at KEEP 0 / 1 / 2:
+#   T=2  V=32000 0.534 / 0.662 / 0.667 / 0.698    50257 0.867 / 0.938 / 0.988 / 1.003
+#        V=128256 1.875 / 1.748 / 1.724 / 1.716   151936 2.400 / 2.167 / 2.050 / 1.967
+#   T=4  V=128256 1.880 / 1.852 / 1.824 / 1.778
+# Short rows lose (not understood; a guess: registers past the 32 a thread that two
+# 1024-thread programs per SM allow); the long rows' walk runs one program per SM anyway. With
+# the power form a row takes one exp per logit, so kd_keep_tiles keeps its tiles.
+KD_POWER_MIN_VOCAB = {2: 65536}
+
+
+def kd_power(vocab: int, itemsize: int) -> bool:
+    """Whether distill_loss's fused row walk may take the power form (see KD_POWER_MIN_VOCAB;
+    itemsize 0: unknown, no)."""
+    return itemsize in KD_POWER_MIN_VOCAB and vocab >= KD_POWER_MIN_VOCAB[itemsize]
+
+
 # kd_fwd_kernel's row walk gathers the logits at the teacher ids for kd_ids_kernel (issued
 # before its gradient pass, while the row is in L2) where the rows are 16-byte aligned; on
 # unaligned rows the ids kernel gathers them itself. H100, bf16, N=8192, K=64, kd_loss, the
