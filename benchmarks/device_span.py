@@ -19,7 +19,7 @@ from benchmarks import shapes
 
 CASES = ("cross_entropy:bf16:128256", "cross_entropy:fp32:128256", "cross_entropy:bf16:32000",
          "cross_entropy:bf16:50257", "cross_entropy:bf16:151936", "cross_entropy:bf16:256000",
-         "kd_loss:bf16:128256")
+         "kd_loss:bf16:128256", "distill_loss:bf16:128256")
 
 
 def measure(op: str, dtype: str, vocab: int, n: int, calls: int = 12, samples: int = 10):
@@ -29,7 +29,7 @@ def measure(op: str, dtype: str, vocab: int, n: int, calls: int = 12, samples: i
 
     from benchmarks import jax_impls, timing
 
-    p = shapes.Problem(op, "fwd_bwd", n, vocab, shapes.KD_K if op == "kd_loss" else 0, dtype, 0)
+    p = shapes.Problem(op, "fwd_bwd", n, vocab, shapes.teacher_k(op), dtype, 0)
     inputs = jax_impls.make_inputs(p, 0)
     impls, _ = jax_impls.implementations(op, dtype, {"jax_fusedloss"}, True)
     f = jax.jit(jax_impls.objective(impls["jax_fusedloss"], "fwd_bwd"))

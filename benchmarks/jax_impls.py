@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from benchmarks import shapes
 from benchmarks.shapes import Problem
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
@@ -27,21 +28,23 @@ def make_inputs(p: Problem, seed: int, logits: jax.Array | None = None) -> tuple
     """The op's inputs for problem `p`: logits [N, V] (std 2) and, per op, labels or top-K.
 
     kd_loss gets K distinct teacher ids per row (evenly spaced from a random start) and
-    teacher log-probabilities whose top-K mass is 0.9. `logits` reuses a buffer of the right
-    shape and dtype.
+    teacher log-probabilities whose top-K mass is 0.9; distill_loss labels, then those.
+    `logits` reuses a buffer of the right shape and dtype.
     """
     key_x, key_y = jax.random.split(jax.random.key(seed))
     if logits is None:
         logits = random_logits(key_x, p.n, p.v, p.dtype)
-    if p.op in ("cross_entropy", "token_logprobs"):
-        return logits, jax.random.randint(key_y, (p.n,), 0, p.v, jnp.int32)
-    if p.op == "kd_loss":
+    kind = shapes.input_kind(p.op)
+    out = [logits]
+    if kind in ("labels", "both"):  # distill_loss's labels independent of the teacher ids
+        key_l = jax.random.fold_in(key_y, 1) if kind == "both" else key_y
+        out.append(jax.random.randint(key_l, (p.n,), 0, p.v, jnp.int32))
+    if kind in ("teacher", "both"):
         start = jax.random.randint(key_y, (p.n, 1), 0, p.v, jnp.int32)
-        ids = (start + jnp.arange(p.k, dtype=jnp.int32) * (p.v // p.k)) % p.v
+        out.append((start + jnp.arange(p.k, dtype=jnp.int32) * (p.v // p.k)) % p.v)
         teacher = jax.random.normal(key_x, (p.n, p.k), jnp.float32)
-        logprobs = jax.nn.log_softmax(teacher, axis=-1) + jnp.log(0.9)
-        return logits, ids, logprobs
-    return (logits,)
+        out.append(jax.nn.log_softmax(teacher, axis=-1) + jnp.log(0.9))
+    return tuple(out)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -58,18 +61,26 @@ def _ours(op: str, implementation: str | None) -> Callable:
     import jax_fusedloss
 
     fn = getattr(jax_fusedloss, op)
-    extra = dict(normalize="full") if op == "kd_loss" else {}
-    return lambda *args: fn(*args, implementation=implementation, **extra)
+    return lambda *args: fn(*args, implementation=implementation, **shapes.op_options(op))
 
 
 def _log_softmax32(x):
     return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
 
 
-def _kd_reference(x, ids, logprobs):
-    """KL(teacher top-K || student) with the student normalised over the full vocabulary."""
-    student = jnp.take_along_axis(_log_softmax32(x), ids, axis=-1)
+def _kd_reference(x, ids, logprobs, temperature=1.0):
+    """KL(teacher top-K || student) with the student (at `temperature`) normalised over the
+    full vocabulary."""
+    student = jnp.take_along_axis(
+        jax.nn.log_softmax(x.astype(jnp.float32) / temperature, axis=-1), ids, axis=-1)
     return jnp.mean(jnp.sum(jnp.exp(logprobs) * (logprobs - student), axis=-1))
+
+
+def _distill_reference(x, y, ids, logprobs):
+    """alpha * cross-entropy + (1 - alpha) * KD at the suite's temperature, on float32."""
+    ce = -jnp.mean(jnp.take_along_axis(_log_softmax32(x), y[:, None], axis=-1))
+    a = shapes.DISTILL_ALPHA
+    return a * ce + (1 - a) * _kd_reference(x, ids, logprobs, shapes.DISTILL_TEMPERATURE)
 
 
 def _entropy_reference(x):
@@ -91,7 +102,8 @@ def _baselines(op: str, dtype: str) -> dict[str, Callable]:
         return out
     if op == "logsumexp":
         return {"jnp_fp32": lambda x: jax.nn.logsumexp(x.astype(jnp.float32), axis=-1)}
-    return {"jnp_fp32": {"kd_loss": _kd_reference, "entropy": _entropy_reference,
+    return {"jnp_fp32": {"kd_loss": _kd_reference, "distill_loss": _distill_reference,
+                         "entropy": _entropy_reference,
                          "token_logprobs": _token_logprobs_reference}[op]}
 
 

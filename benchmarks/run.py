@@ -188,10 +188,9 @@ class Worker:
         return done
 
     def get_inputs(self, p: shapes.Problem) -> list[tuple]:
-        key = (p.op in ("cross_entropy", "token_logprobs"), p.op == "kd_loss", p.n, p.v, p.k,
-               p.dtype)
+        key = (shapes.input_kind(p.op), p.n, p.v, p.k, p.dtype)
         if key != self.inputs_key:
-            same_logits = self.inputs_key is not None and self.inputs_key[2:] == key[2:]
+            same_logits = self.inputs_key is not None and self.inputs_key[1:] == key[1:]
             logits = [tup[0] for tup in self.inputs] if same_logits else None
             self.drop_inputs()
             r = timing.rotations(p.n * p.v * shapes.ITEMSIZE[p.dtype], 2 if self.smoke else

@@ -9,7 +9,12 @@ from typing import Iterable, NamedTuple
 
 VOCABS = {"llama2": 32000, "gpt2": 50257, "llama3": 128256, "qwen": 151936, "gemma": 256000}
 TOKENS = (1, 8, 64, 1024, 8192, 32768)
-OPS = ("cross_entropy", "kd_loss", "logsumexp", "entropy", "token_logprobs")
+OPS = ("cross_entropy", "kd_loss", "distill_loss", "logsumexp", "entropy", "token_logprobs")
+# Ops timed at the target shape only (N=TARGET_N, V=TARGET_V, both modes).
+TARGET_ONLY_OPS = ("distill_loss",)
+# distill_loss's options in the suite: half cross-entropy, half KD at temperature 2 against
+# the teacher's top KD_K ("full" normalization), the usual distillation set-up.
+DISTILL_ALPHA, DISTILL_TEMPERATURE = 0.5, 2.0
 MODES = ("fwd", "fwd_bwd")
 ITEMSIZE = {"bf16": 2, "fp32": 4}
 KD_K = 64
@@ -35,7 +40,7 @@ class Problem(NamedTuple):
     mode: str  # "fwd" or "fwd_bwd"
     n: int  # tokens (rows)
     v: int  # vocabulary
-    k: int  # teacher top-K for kd_loss, 0 otherwise
+    k: int  # teacher top-K for kd_loss and distill_loss, 0 otherwise
     dtype: str  # "bf16" or "fp32"
     tier: int  # 0: the issue's target shapes, 1: the N and V sweeps, 2: the rest
 
@@ -65,8 +70,24 @@ def in_program(p: "Problem") -> bool:
             and p.n in LSE_SMALL_N and p.dtype == "bf16")
 
 
-def _k(op: str) -> int:
-    return KD_K if op == "kd_loss" else 0
+def teacher_k(op: str) -> int:
+    """The teacher's top-K of an op's problems (0 for ops without a teacher)."""
+    return KD_K if op in ("kd_loss", "distill_loss") else 0
+
+
+def op_options(op: str) -> dict:
+    """The suite's keyword options of an op (the same for jax_fusedloss and torch_ref)."""
+    if op == "kd_loss":
+        return dict(normalize="full")
+    if op == "distill_loss":
+        return dict(normalize="full", alpha=DISTILL_ALPHA, temperature=DISTILL_TEMPERATURE)
+    return {}
+
+
+def input_kind(op: str) -> str:
+    """Which inputs an op takes besides the logits: "labels", "teacher", "both" or ""."""
+    return {"cross_entropy": "labels", "token_logprobs": "labels", "kd_loss": "teacher",
+            "distill_loss": "both"}.get(op, "")
 
 
 def _tier(op: str, mode: str, n: int, v: int, dtype: str) -> int:
@@ -84,6 +105,8 @@ def _shapes(op: str, dtype: str, quick: bool, cross: bool) -> set[tuple[int, int
     vocabularies at N=8192 for bf16 cross-entropy, and logsumexp's latency shapes.
     """
     vocabs = VOCABS.values()
+    if op in TARGET_ONLY_OPS:
+        return {(TARGET_N, TARGET_V)}
     if quick:
         shapes = {(TARGET_N, TARGET_V)}
         if op == "cross_entropy" and dtype == "bf16":
@@ -117,7 +140,7 @@ def build_grid(ops: Iterable[str], *, quick: bool = False, cross: bool = False,
                 for mode in modes:
                     if quick and op == "logsumexp" and mode == "fwd_bwd" and n != TARGET_N:
                         continue
-                    out.append(Problem(op, mode, n, v, _k(op), dtype,
+                    out.append(Problem(op, mode, n, v, teacher_k(op), dtype,
                                        _tier(op, mode, n, v, dtype)))
     return sorted(out, key=lambda p: (p.tier, p.n, p.v, p.dtype, OPS.index(p.op),
                                       MODES.index(p.mode)))
@@ -125,7 +148,7 @@ def build_grid(ops: Iterable[str], *, quick: bool = False, cross: bool = False,
 
 def smoke_grid(ops: Iterable[str]) -> list[Problem]:
     """A tiny grid for the CPU smoke test: one shape with an odd vocabulary, both modes."""
-    return [Problem(op, mode, 16, 3001, min(_k(op), 8), "bf16", 0) for op in ops
+    return [Problem(op, mode, 16, 3001, min(teacher_k(op), 8), "bf16", 0) for op in ops
             for mode in MODES]
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks import shapes
 from benchmarks.shapes import Problem
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -31,24 +32,32 @@ def make_inputs(p: Problem, seed: int, device: str,
     if logits is None:
         logits = torch.randn(p.n, p.v, dtype=DTYPES[p.dtype], device=device, generator=gen)
         logits.mul_(2)
-    if p.op in ("cross_entropy", "token_logprobs"):
-        return logits, torch.randint(0, p.v, (p.n,), device=device, generator=gen)
-    if p.op == "kd_loss":
+    kind = shapes.input_kind(p.op)
+    out = [logits]
+    if kind in ("labels", "both"):
+        out.append(torch.randint(0, p.v, (p.n,), device=device, generator=gen))
+    if kind in ("teacher", "both"):
         start = torch.randint(0, p.v, (p.n, 1), device=device, generator=gen)
-        ids = (start + torch.arange(p.k, device=device) * (p.v // p.k)) % p.v
+        out.append((start + torch.arange(p.k, device=device) * (p.v // p.k)) % p.v)
         teacher = torch.randn(p.n, p.k, device=device, generator=gen)
-        logprobs = torch.log_softmax(teacher, dim=-1) + math.log(0.9)
-        return logits, ids, logprobs
-    return (logits,)
+        out.append(torch.log_softmax(teacher, dim=-1) + math.log(0.9))
+    return tuple(out)
 
 
 def _log_softmax32(x):
     return torch.log_softmax(x.float(), dim=-1)
 
 
-def _kd_reference(x, ids, logprobs):
-    student = torch.gather(_log_softmax32(x), -1, ids)
+def _kd_reference(x, ids, logprobs, temperature=1.0):
+    student = torch.gather(torch.log_softmax(x.float() / temperature, dim=-1), -1, ids)
     return (logprobs.exp() * (logprobs - student)).sum(-1).mean()
+
+
+def _distill_reference(x, y, ids, logprobs):
+    """alpha * cross-entropy + (1 - alpha) * KD at the suite's temperature, on float32."""
+    a = shapes.DISTILL_ALPHA
+    return (a * F.cross_entropy(x.float(), y)
+            + (1 - a) * _kd_reference(x, ids, logprobs, shapes.DISTILL_TEMPERATURE))
 
 
 def _entropy_reference(x):
@@ -65,7 +74,8 @@ def _baselines(op: str) -> dict[str, Callable]:
         return {"torch": lambda x, y: F.cross_entropy(x, y)}
     if op == "logsumexp":
         return {"torch": lambda x: torch.logsumexp(x, dim=-1)}
-    return {"torch_fp32": {"kd_loss": _kd_reference, "entropy": _entropy_reference,
+    return {"torch_fp32": {"kd_loss": _kd_reference, "distill_loss": _distill_reference,
+                           "entropy": _entropy_reference,
                            "token_logprobs": _token_logprobs_reference}[op]}
 
 
@@ -102,9 +112,8 @@ def implementations(op: str, names: set[str] | None,
         except ImportError as e:
             notes.append(f"torch_ref: import failed ({e}); skipped")
         else:
-            fn = getattr(torch_ref, op)
-            impls["torch_ref"] = (fn if op != "kd_loss" else
-                                  lambda x, ids, lp, fn=fn: fn(x, ids, lp, normalize="full"))
+            fn, options = getattr(torch_ref, op), shapes.op_options(op)
+            impls["torch_ref"] = (lambda *args, fn=fn: fn(*args, **options)) if options else fn
     impls.update({k: f for k, f in _baselines(op).items() if wanted(k, False)})
     if op == "cross_entropy" and wanted("liger", True):
         try:
