@@ -92,10 +92,11 @@ def _fold(m, s, s_kd, sumz, z, mask, c_kd, HAS_SMOOTHING: tl.constexpr, CE_STATS
         s_kd = s_kd * alpha_kd + tl.sum(e_kd, axis=AXIS)
     if CE_STATS:
         # at most FLT_MAX: a sum that is 0 stays 0 when the max jumps to +inf
-        alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
-        if CE_STATS >= 2:
-            e = int_power(e_kd, CE_STATS)  # exp(d) = exp(d / T)**T: no second exp
+        if CE_STATS >= 2:  # exp(d) = exp(d / T)**T: no second exp, for the rescale neither
+            alpha = tl.minimum(int_power(alpha_kd, CE_STATS), 3.4028234663852886e38)
+            e = int_power(e_kd, CE_STATS)
         else:
+            alpha = tl.minimum(tl.exp(m - ms), 3.4028234663852886e38)
             e = tl.exp(d)
         s = s * alpha + tl.sum(e, axis=AXIS)
     if HAS_SMOOTHING:

@@ -131,7 +131,7 @@ def _dense_value(d, dz, off_x, sgn_x, off_s, sgn_s, c, inv_temp, CE_STATS: tl.co
     g = tl.zeros_like(d)
     if CE_STATS >= 2:
         q = tl.math.exp2(d * (inv_temp * LOG2E))
-        g += sgn_s * q + sgn_x * int_power(q, CE_STATS)
+        g += q * (sgn_s + sgn_x * int_power(q, CE_STATS - 1))
     else:
         if CE_STATS:
             g += sgn_x * tl.math.exp2(d * LOG2E - off_x)

@@ -59,8 +59,9 @@ def keep_tiles(vocab: int, itemsize: int, softcap, table=None) -> int:
 
 
 # The same for kd_loss / distill_loss's fused row walk (kernels/kd.kd_fwd_kernel), where the
-# row takes one exponential per element (kd_loss "full", distill_loss at T = 1; distill_loss
-# at T != 1 takes two and lost) and no softcap. H100, bf16, N=8192, K=64, the walk and
+# row takes one exponential per element (kd_loss "full", distill_loss at T = 1 and in the power
+# form of KD_POWER_MIN_VOCAB below; distill_loss at other T != 1 takes two and lost) and no
+# softcap. H100, bf16, N=8192, K=64, the walk and
 # kd_ids_kernel from torch (benchmarks/keep_ab.py, results/kd_keep_h100.txt), ms at KEEP =
 # 0 / 1 / 2 (the prefetch on at KEEP = 0):
 #   kd_loss       V=32000 0.413/0.645/0.667   50257 0.926/0.883/0.957
@@ -80,15 +81,22 @@ def kd_keep_tiles(vocab: int, itemsize: int, softcap, exps: int) -> int:
 # distill_loss at an integer temperature T (kernels/kd.POWER_TEMPERATURES) takes the
 # cross-entropy's exp(z - m) as the T-th power of the KD term's exp((z - m) / T) (one exp per
 # logit and pass instead of two: CE_STATS = T) on rows of at least KD_POWER_MIN_VOCAB[itemsize]
-# logits. H100, bf16, N=8192, K=64, the walk + ids kernel from torch (benchmarks/keep_ab.py
-# --power, results/kd_power_h100.txt), ms two exps at KEEP 0 / power at KEEP 0 / 1 / 2:
-#   T=2  V=32000 0.534 / 0.662 / 0.667 / 0.698    50257 0.867 / 0.938 / 0.988 / 1.003
-#        V=128256 1.875 / 1.748 / 1.724 / 1.716   151936 2.400 / 2.167 / 2.050 / 1.967
-#   T=4  V=128256 1.880 / 1.852 / 1.824 / 1.778
-# Short rows lose (not understood; a guess: registers past the 32 a thread that two
-# 1024-thread programs per SM allow); the long rows' walk runs one program per SM anyway. With
-# the power form a row takes one exp per logit, so kd_keep_tiles keeps its tiles.
-KD_POWER_MIN_VOCAB = {2: 65536}
+# logits. H100, N=8192, K=64, the walk + ids kernel from torch (benchmarks/keep_ab.py --power,
+# results/kd_power_h100.txt), ms two exps at KEEP 0 / power at KEEP 0 / 1 / 2, first form:
+#   bf16 T=2  V=32000 0.531 / 0.662 / 0.665 / 0.695    50257 0.861 / 0.935 / 0.983 / 1.000
+#             V=65536 1.060 / 0.976 / 0.978 / 0.975    100000 1.579 / 1.447 / 1.411 / 1.432
+#             V=128256 1.877 / 1.767 / 1.728 / 1.680   151936 2.374 / 2.161 / 2.049 / 1.955
+#   bf16 T=4  V=128256 1.873 / 1.826 / 1.771 / 1.739
+#   fp32 T=2  V=50257 1.477 / 1.454 / 1.406 / 1.573    128256 4.071 / 3.662 / 3.502 / 3.589
+# The final form also takes the online rescale as a power and factors the gradient, q (w_s +
+# w_x q**(T-1)): power at KEEP 1 / 2, bf16 T=2 V=128256 1.729 / 1.682 -> 1.808 / 1.642, 151936
+# 2.055 / 1.962 -> 2.232 / 1.928; fp32 128256 3.500 / 3.596 -> 3.488 / 3.587.
+# Short 16-bit rows lose: 51-54 registers a thread against 32 (benchmarks/registers.py on the
+# H100), so one 1024-thread program per SM instead of two; the long rows' walk has one anyway.
+# With the power form a row takes one exp per logit, so kd_keep_tiles keeps its tiles (float32
+# keeps none: KD_KEEP_VOCAB has no float32 entry, one tile would win 3-4% here, unmeasured for
+# kd_loss).
+KD_POWER_MIN_VOCAB = {2: 65536, 4: 50_000}
 
 
 def kd_power(vocab: int, itemsize: int) -> bool:
