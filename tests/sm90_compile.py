@@ -46,9 +46,12 @@ def vector_ops(ptx: str) -> tuple[int, int]:
 
 def _twin_key(name, signature, constexprs, num_warps):
     """A compile's key up to its vocabulary: ALIGN, what the plans choose by alignment
-    (WALK_GATHER: launch.kd_walk_gathers) and the split sizes set aside."""
+    (WALK_GATHER: launch.kd_walk_gathers) or by row length without touching the loads and
+    stores (CE_STATS, distill_loss's power form: launch.kd_power) and the split sizes set
+    aside."""
     rest = tuple(sorted((k, v) for k, v in constexprs.items()
-                        if k not in ("ALIGN", "WALK_GATHER", "SPLIT_V", "NUM_SPLITS", "BLOCK_S")))
+                        if k not in ("ALIGN", "WALK_GATHER", "CE_STATS", "SPLIT_V", "NUM_SPLITS",
+                                     "BLOCK_S")))
     return name, tuple(signature.items()), rest, num_warps
 
 
