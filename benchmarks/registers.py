@@ -20,8 +20,8 @@ KEYS = ("KEEP", "PREFETCH", "ALIGN", "HAS_SOFTCAP", "WALK_GATHER", "DISTILL", "C
         "KD_STATS")
 
 
-def show(tag, kern, sig, cx, w):
-    c = compile_sm90(kern, sig, cx, w)
+def show(tag, kern, sig, cx, w, maxnreg=None):
+    c = compile_sm90(kern, sig, cx, w, maxnreg)
     c._init_handles()  # loads the module: n_regs and n_spills come from the driver
     print(tag, kern.__name__, {k: cx[k] for k in KEYS if k in cx}, "regs", c.n_regs,
           "spills", c.n_spills, flush=True)

@@ -155,22 +155,42 @@ def call_kind() -> str:
     return "ffi" if call_target() == FFI_TARGET else "legacy"
 
 
+# A register cap travels from `launch` to the lowering rule as a suffix of the custom-call
+# target name ("triton_kernel_call_ffi#maxnreg=48"): jax-triton passes the name through to its
+# lowering, where the kernel is compiled, and has no parameter for the cap itself.
+MAXNREG_TAG = "#maxnreg="
+
+
+def _capped_backend(init, maxnreg: int):
+    """jax-triton's backend_init_func `init` with Triton's `maxnreg` compile option set."""
+    def backend(device, compute_capability):
+        b = init(device, compute_capability)
+        parse = b.parse_options
+        b.parse_options = lambda opts: parse(dict(opts, maxnreg=maxnreg))
+        return b
+    return backend
+
+
 @functools.lru_cache(maxsize=1)
 def _register_ffi_lowering() -> None:
     """Re-registers jax-triton's CUDA lowering so that a call whose custom_call_target_name is
     FFI_TARGET becomes a typed-FFI custom call (api_version 4, the same compressed proto as the
-    attribute `opaque`); every other call (other users of jax-triton in the process) lowers
-    exactly as jax-triton lowers it."""
+    attribute `opaque`), and a name carrying MAXNREG_TAG is compiled with that register cap
+    (and lowered by its target with the tag removed); every other call (other users of
+    jax-triton in the process) lowers exactly as jax-triton lowers it."""
     from jax.interpreters import mlir
     from jax._src.lib.mlir import ir
 
     triton_lib = _jax_triton().triton_lib  # through _jax_triton: it keeps TRITON_CACHE_DIR
 
-    legacy = functools.partial(triton_lib.triton_kernel_call_lowering,
-                               triton_lib.get_cuda_backend)
-
     def rule(ctx, *args, **params):
-        if params["custom_call_target_name"] != FFI_TARGET:
+        name, _, cap = params["custom_call_target_name"].partition(MAXNREG_TAG)
+        init = triton_lib.get_cuda_backend
+        if cap:
+            init = _capped_backend(init, int(cap))
+            params = dict(params, custom_call_target_name=name)
+        legacy = functools.partial(triton_lib.triton_kernel_call_lowering, init)
+        if name != FFI_TARGET:
             return legacy(ctx, *args, **params)
         # jax-triton compiles the kernel and emits its (legacy-API) call; we keep its proto,
         # emit the FFI call in its place and erase the legacy op (nothing uses its results).
@@ -236,13 +256,16 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
 def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
            scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
            num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
-           input_output_aliases: dict[int, int] | None = None) -> tuple[jax.Array, ...]:
+           input_output_aliases: dict[int, int] | None = None,
+           maxnreg: int | None = None) -> tuple[jax.Array, ...]:
     """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
     maps an input index to an output index: on the GPU the output reuses the input's buffer
     (XLA copies it first if the input is still live); in the interpreter the kernel writes in
     place over the host copy of the input, so read-after-write hazards show there too.
+    `maxnreg` caps the registers a thread on the GPU (plan.Launch.maxnreg; the interpreter
+    has none).
     """
     check_triton_available()
     constexprs = dict(constexprs or {})
@@ -250,8 +273,9 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
     scalars = [np.float32(s) if isinstance(s, float) else s for s in scalars]
     if on_cuda_gpu():
         target = call_target()
-        if target == FFI_TARGET:
-            _register_ffi_lowering()
+        _register_ffi_lowering()
+        if maxnreg is not None:
+            target = f"{target}{MAXNREG_TAG}{int(maxnreg)}"
         outs = _jax_triton().triton_call(
             *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
@@ -277,7 +301,7 @@ def run_plan(plan, results: Sequence[str] | None = None,
                       out_shapes=[jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype])
                                   for b in step.outputs],
                       num_warps=step.num_warps, constexprs=step.constexprs,
-                      input_output_aliases=dict(step.aliases))
+                      input_output_aliases=dict(step.aliases), maxnreg=step.maxnreg)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
     return tuple(env[name] for name in (plan.results if results is None else results))
 

@@ -30,13 +30,18 @@ ROW_WRITERS = ("red_bwd_kernel", "ce_fwd_kernel", "ce_bwd_kernel", "scale_rows_k
                "kd_fwd_kernel", "kd_bwd_kernel", "ce_split_fused_kernel")
 
 
-def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int):
-    """triton.compile for sm_90 with jax-triton's assumptions: pointers 16-byte aligned."""
+def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int,
+                 maxnreg: int | None = None):
+    """triton.compile for sm_90 with jax-triton's assumptions: pointers 16-byte aligned;
+    `maxnreg` as the plan's register cap (plan.Launch.maxnreg)."""
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, t in signature.items() if t.startswith("*")}
     sig = dict(signature, **{c: "constexpr" for c in constexprs})
+    options = dict(num_warps=num_warps)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+                          target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def vector_ops(ptx: str) -> tuple[int, int]:
@@ -98,12 +103,14 @@ def main() -> int:
 
     failures = 0
     results = []
-    for kernel, signature, constexprs, num_warps in specs():
+    for kernel, signature, constexprs, num_warps, maxnreg in specs():
         name = kernel.__name__
         t0 = time.time()
         try:
-            compiled = compile_sm90(kernel, signature, constexprs, num_warps)
+            compiled = compile_sm90(kernel, signature, constexprs, num_warps, maxnreg)
             vec = vector_ops(compiled.asm["ptx"])
+            if maxnreg is not None and f".maxnreg {maxnreg}" not in compiled.asm["ptx"]:
+                raise AssertionError(f"the register cap {maxnreg} is not in the PTX")
             results.append((name, signature, constexprs, num_warps, vec))
             print(f"ok   {name} {constexprs} shared={compiled.metadata.shared}B "
                   f"v4 ld/st={vec[0]}/{vec[1]} {time.time() - t0:.1f}s", flush=True)

@@ -46,8 +46,8 @@ def _itemsize(dt: str) -> int:
 
 
 def _specs(plan, dt: str, inputs: dict[str, str]):
-    """(kernel, signature, constexprs, warps) of each launch of a plan; `inputs` gives the
-    plan inputs' types ("x" is the logits, of dtype dt)."""
+    """(kernel, signature, constexprs, warps, register cap) of each launch of a plan; `inputs`
+    gives the plan inputs' types ("x" is the logits, of dtype dt)."""
     env = dict(inputs, x=f"*{dt}")
     for step in plan.launches:
         types = [env[i] if isinstance(i, str) else f"*{TYPES[i.dtype]}" for i in step.inputs]
@@ -56,7 +56,8 @@ def _specs(plan, dt: str, inputs: dict[str, str]):
         env.update((b.name, t) for b, t in zip(step.outputs, outs))
         names = [p.name for p in step.kernel.params if not p.is_constexpr]
         assert len(names) == len(types + outs), (step.kernel.__name__, names, types, outs)
-        yield step.kernel, dict(zip(names, types + outs)), dict(step.constexprs), step.num_warps
+        yield (step.kernel, dict(zip(names, types + outs)), dict(step.constexprs), step.num_warps,
+               step.maxnreg)
 
 
 def _ce():
@@ -126,8 +127,9 @@ def _kd():
 def specs():
     """Distinct compiles, in a stable order."""
     seen = set()
-    for kernel, sig, constexprs, warps in itertools.chain(_ce(), _reductions(), _kd()):
-        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps)
+    for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd()):
+        key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
+               maxnreg)
         if key not in seen:
             seen.add(key)
-            yield kernel, sig, constexprs, warps
+            yield kernel, sig, constexprs, warps, maxnreg

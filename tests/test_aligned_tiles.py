@@ -199,12 +199,15 @@ def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch)
     programs that exchange their statistics through row_exchange. The interpreter runs
     programs one after another, so every program but a row's last abandons its slice and the
     last writes the whole row's gradient (the GPU tests time out no program); the walk cases
-    of test_fused_walk_over_many_tiles, 64-element tiles, slices of three tiles (192 columns)."""
+    of test_fused_walk_over_many_tiles, 64-element tiles, slices of three tiles (192 columns);
+    16-bit rows keeping a tile take launch.SPLIT_FUSED_KEPT's config and register cap (here
+    the same tiles, but no cap: the rows are unaligned)."""
     from jax_fusedloss.kernels import launch
 
     monkeypatch.setattr(launch, "SPLIT_FUSED_TILE_ELEMS", 64)
     monkeypatch.setattr(launch, "SPLIT_FUSED_MIN_ROW_BYTES", 0)
     monkeypatch.setattr(launch, "SPLIT_FUSED_SLICE_BYTES", 192 * (2 if dtype == "bfloat16" else 4))
+    monkeypatch.setattr(launch, "SPLIT_FUSED_KEPT", {2: (64, 192 * 2, 48)})
     monkeypatch.setattr(launch, "SPLIT_FUSED_POLLS", 2)
     monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
     plan = _check_fused_walk(vocab, dtype, smoothing, softcap, f"splits={splits}")
@@ -214,6 +217,7 @@ def test_split_fused_rows(vocab, splits, dtype, smoothing, softcap, monkeypatch)
     keep = int(dtype == "bfloat16" and softcap is None)
     assert plan.launches[0].constexprs["KEEP"] == keep
     assert plan.launches[0].constexprs["PREFETCH"] == (not keep)
+    assert plan.launches[0].maxnreg is None  # odd vocabularies: no cap (SPLIT_FUSED_KEPT)
 
 
 def test_split_fused_config_covers_rows():
@@ -231,6 +235,9 @@ def test_split_fused_config_covers_rows():
             assert cfg.split_v % cfg.block_v == 0, (v, itemsize, cfg)
             assert 2 <= cfg.num_splits <= launch.SPLIT_FUSED_MAX_SPLITS, (v, itemsize, cfg)
             assert (cfg.num_splits - 1) * cfg.split_v < v <= cfg.num_splits * cfg.split_v
+            # a register cap only where a tile is kept and the rows are 16-byte aligned
+            capped = itemsize in launch.SPLIT_FUSED_KEPT and cfg.keep and v % 8 == 0
+            assert cfg.maxnreg == (launch.SPLIT_FUSED_KEPT[2][2] if capped else None), (v, cfg)
 
 
 def _check_fused_walk(vocab, dtype, smoothing, softcap, what):

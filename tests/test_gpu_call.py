@@ -2,7 +2,8 @@
 typed-FFI Triton call (`_triton_jax.FFI_TARGET`); JFL_TRITON_CALL=legacy gives jax-triton's
 legacy custom call. Both must give bit-identical results (same kernel, same proto), including
 the calls whose output aliases an input (the split forward + gradient's counter buffer), and a
-jax-triton call that is not ours must keep jax-triton's own lowering."""
+jax-triton call that is not ours must keep jax-triton's own lowering. A plan's register cap
+(plan.Launch.maxnreg) must reach the GPU through either call and through torch_ref."""
 from __future__ import annotations
 
 import os
@@ -49,6 +50,7 @@ def _reductions(x, y):
 @pytest.mark.parametrize("fn,n,vocab,dtype", [
     (_ce_value_and_grad, 512, 32000, jnp.bfloat16),     # one program per row, fused gradient
     (_ce_value_and_grad, 264, 114689, jnp.float32),    # split forward + gradient (aliased counter)
+    (_ce_value_and_grad, 264, 229384, jnp.bfloat16),   # the same keeping a tile, register cap
     (_ce_value_and_grad, 4, 50257, jnp.bfloat16),      # few rows: partials + merge
     (_reductions, 8, 128256, jnp.bfloat16),            # split reductions, one launch
     (_reductions, 300, 50257, jnp.float16),
@@ -106,3 +108,39 @@ def test_launching_keeps_triton_cache_dir(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True).stdout
     assert f"CACHE={str(tmp_path)!r}" in out, out
+
+
+@pytest.mark.parametrize("mode", ["ffi", "legacy"])
+def test_register_cap_reaches_the_gpu(monkeypatch, mode):
+    """The split forward + gradient keeping a tile of 16-bit rows is capped at
+    launch.SPLIT_FUSED_KEPT's registers a thread (jaxlib's own compile of the PTX took 60
+    uncapped, Triton's ptxas 48): CUPTI's launch records of the JAX call (FFI and legacy) and
+    of torch_ref's show at most the cap."""
+    import torch
+
+    import torch_ref
+    from benchmarks.launch_attrs import kernel_records
+    from jax_fusedloss.kernels import launch
+
+    if mode == "ffi" and _triton_jax.call_target() != _triton_jax.FFI_TARGET:
+        pytest.skip("this jaxlib has no typed-FFI Triton call")
+    n, vocab = launch.PROGRAMS_PER_SM * _triton_jax.num_sms(), 229384  # aligned rows
+    cfg = launch.split_fused_config(n, vocab, 2, _triton_jax.num_sms())
+    assert cfg is not None and cfg.keep == 1 and cfg.maxnreg is not None
+    x = jax.random.normal(jax.random.key(3), (n, vocab), jnp.bfloat16)
+    y = jax.random.randint(jax.random.key(4), (n,), 0, vocab)
+    monkeypatch.setenv("JFL_TRITON_CALL", mode)
+    f = jax.jit(lambda x: _ce_value_and_grad(x, y))
+    jax.block_until_ready(f(x))
+    xt = torch.from_dlpack(x).clone().requires_grad_(True)
+    yt = torch.from_dlpack(y).long()
+
+    def run():
+        jax.block_until_ready(f(x))
+        torch_ref.cross_entropy(xt, yt).backward()
+        torch.cuda.synchronize()
+
+    regs = [r["registers per thread"] for r in kernel_records(run)
+            if r["name"].startswith("ce_split_fused_kernel")]
+    assert len(regs) == 2, regs
+    assert all(r <= cfg.maxnreg for r in regs), (regs, cfg.maxnreg)

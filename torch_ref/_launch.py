@@ -37,16 +37,19 @@ def run_plan(plan, **tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 torch.empty(b.shape, dtype=dtypes[b.dtype], device=x.device)
                 for k, b in enumerate(step.outputs)]
         launch(step.kernel, step.grid, inputs, step.scalars, outs, step.num_warps,
-               step.constexprs)
+               step.constexprs, step.maxnreg)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
     return tuple(env[name] for name in plan.results)
 
 
 def launch(kernel, grid: tuple[int, ...], inputs: Sequence[Any], scalars: Sequence[Any],
-           outputs: Sequence[torch.Tensor], num_warps: int = 4, constexprs: dict | None = None):
+           outputs: Sequence[torch.Tensor], num_warps: int = 4, constexprs: dict | None = None,
+           maxnreg: int | None = None):
     if not inputs[0].is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError("torch_ref on CPU tensors runs the kernels through Triton's "
                            "interpreter: set TRITON_INTERPRET=1 before triton is imported")
     extra = {"num_warps": num_warps} if inputs[0].is_cuda else {}
+    if maxnreg is not None and inputs[0].is_cuda:
+        extra["maxnreg"] = maxnreg
     kernel[grid](*inputs, *scalars, *outputs, **extra, **(constexprs or {}))
     return outputs

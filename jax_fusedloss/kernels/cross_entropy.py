@@ -439,7 +439,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
                     Buf("sync", (n,), "int32")), split.num_warps,
             dict(NUM_SPLITS=s, BLOCK_S=merge_block(s), SPLIT_V=split.split_v,
                  BLOCK_V=split.block_v, **flags, PREFETCH=split.prefetch, KEEP=split.keep),
-            aliases=((3, 5),) + alias),), results)
+            aliases=((3, 5),) + alias, maxnreg=split.maxnreg),), results)
     if cfg.num_splits == 1:
         grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
         return Plan((Launch(

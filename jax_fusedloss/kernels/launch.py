@@ -138,11 +138,18 @@ SPLIT_FUSED_MAX_SPLITS = 16  # row_exchange's abandon bits
 # itemsize. H100, N=8192, the kernel alone, KEEP = 0 (with the prefetch) / 1 / 2, ms
 # (benchmarks/ce_instructions.py --split-keep, results/ce_split_keep_h100.txt): bf16 V=256000
 # 3.538 / 3.337 / 4.658; float32 V=128256 3.095 / 4.468 / 4.753, V=256000 6.368 / 8.920 / 9.247
-# (57 to 125 registers a thread against 40-64 without: fewer programs per SM). Smaller tiles
-# and slices with a tile kept (bf16 V=256000, tile x programs a row, --split-sweep,
-# results/ce_split_sweep_h100.txt): from torch 4096 x 16 took 3.116 ms against 3.339 for
-# 8192 x 6, but from JAX (device_span) 3.915 against 3.340, not understood: not adopted.
+# (57 to 125 registers a thread against 40-64 without: fewer programs per SM).
 SPLIT_FUSED_KEEP = {2: 1}
+# With a tile kept, smaller tiles and slices, per itemsize: (tile elements, slice bytes,
+# register cap). bf16 V=256000, tile x programs a row (--split-sweep,
+# results/ce_split_sweep_h100.txt): from torch 4096 x 16 took 3.116 ms against 3.339 for
+# 8192 x 6. From JAX it took 3.915 ms: jaxlib compiles jax-triton's PTX itself, to 60
+# registers a thread where Triton's ptxas (PyTorch) makes 48 from the same PTX, so 4 programs
+# of 256 threads per SM instead of 5 (CUPTI launch records, benchmarks/launch_attrs.py,
+# results/launch_attrs_h100.txt). Capped at 48 (PTX .maxnreg) both take 3.14 ms (3.10-3.14).
+# Unaligned rows (V=255999) get 48 from jaxlib uncapped and are slower capped (3.31 -> 3.64
+# ms, both frameworks; 3.79 with 8192 x 6): the cap is for 16-byte aligned rows only.
+SPLIT_FUSED_KEPT = {2: (4096, 32 * 1024, 48)}
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
@@ -192,6 +199,7 @@ class RowConfig(NamedTuple):
     align: int  # largest power of two <= 16 dividing vocab: the ALIGN constexpr of hint_multiple
     prefetch: bool = False  # the PREFETCH constexpr of a fused row pass that writes the gradient
     keep: int = 0  # the KEEP constexpr of a fused row pass that writes the gradient
+    maxnreg: int | None = None  # a register cap for the launch (plan.Launch.maxnreg)
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -226,13 +234,19 @@ def split_fused_config(n_rows: int, vocab: int, itemsize: int,
     if n_rows < PROGRAMS_PER_SM * num_sms or vocab * itemsize < SPLIT_FUSED_MIN_ROW_BYTES:
         return None
     keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
-    block_v, num_warps = _tile(vocab, SPLIT_FUSED_TILE_ELEMS)
+    tile, slice_bytes, maxnreg = SPLIT_FUSED_TILE_ELEMS, SPLIT_FUSED_SLICE_BYTES, None
+    if keep and itemsize in SPLIT_FUSED_KEPT:
+        tile, slice_bytes, maxnreg = SPLIT_FUSED_KEPT[itemsize]
+        if vocab_align(vocab) * itemsize < 16:
+            maxnreg = None
+    block_v, num_warps = _tile(vocab, tile)
     n_tiles = triton.cdiv(vocab, block_v)
-    per_slice = max(1, SPLIT_FUSED_SLICE_BYTES // (block_v * itemsize),
+    per_slice = max(1, slice_bytes // (block_v * itemsize),
                     triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
     split_v = per_slice * block_v
     return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
-                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB and not keep, keep)
+                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB and not keep, keep,
+                     maxnreg)
 
 
 def _tile(vocab: int, max_tile: int) -> tuple[int, int]:

@@ -42,6 +42,12 @@ class Launch(NamedTuple):
     num_warps: int
     constexprs: dict
     aliases: tuple[tuple[int, int], ...] = ()  # (input index, output index): written in place
+    # A cap on registers a thread (Triton's `maxnreg`, PTX .maxnreg) or None. jaxlib turns the
+    # PTX jax-triton hands it into machine code with its own compiler, which may allocate more
+    # registers than Triton's ptxas does for PyTorch (fewer programs per SM); the cap makes
+    # both the same where that matters (launch.SPLIT_FUSED_MAXNREG). A function of the kernel,
+    # its constexprs and warps: jax-triton's compile cache does not key on it.
+    maxnreg: int | None = None
 
 
 class Plan(NamedTuple):

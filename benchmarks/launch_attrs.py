@@ -1,0 +1,114 @@
+"""How the same kernel is launched from JAX and from PyTorch: CUPTI's launch record of each kernel
+(registers a thread, grid, block, shared memory, the profiler's occupancy estimate, duration).
+
+    source .whl/gpu-env.sh && python -m benchmarks.launch_attrs > $OUT/launch_attrs.txt
+
+jax-triton hands jaxlib the PTX of a kernel and jaxlib turns it into machine code itself, while
+PyTorch launches Triton's own cubin (its bundled ptxas): the two may allocate registers
+differently, and for the one-launch split cross-entropy (kernels/cross_entropy
+.ce_split_fused_kernel), whose programs of a row wait for each other, registers decide how many
+programs run at once. Cases: cross_entropy value_and_grad / torch_ref forward + backward, bf16,
+N=8192, V=256000 and 255999 (unaligned rows), CONFIGS below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+ARGS = ("registers per thread", "grid", "block", "shared memory", "est. achieved occupancy %",
+        "blocks per SM", "warps per SM")
+# launch.split_fused_config's choices for bf16 rows keeping a tile: the production one
+# (launch.SPLIT_FUSED_KEPT: 4096-element tiles, 32 KiB slices, 48 registers), the same uncapped,
+# and the earlier 8192 x 6 (8192-element tiles, 96 KiB slices)
+CONFIGS = {"production": {}, "4096 x 16 uncapped": dict(SPLIT_FUSED_KEPT={2: (4096, 32 * 1024,
+                                                                               None)}),
+           "8192 x 6": dict(SPLIT_FUSED_KEPT={})}
+VOCABS = (256000, 255999)
+
+
+def kernel_records(run) -> list[dict]:
+    """CUPTI kernel records (name, duration us, ARGS) of the GPU work of `run()`, through
+    torch's profiler's Chrome trace (it sees JAX's kernels too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [dict(name=e["name"], dur=e.get("dur", 0.0),
+                 **{k: e.get("args", {}).get(k) for k in ARGS})
+            for e in events if e.get("cat") == "kernel"]
+
+
+def _show(tag: str, records: list[dict]) -> None:
+    seen = {}
+    for r in records:
+        seen.setdefault(r["name"], []).append(r)
+    for name, rs in seen.items():
+        if "split" not in name and "ce_fwd" not in name:
+            continue
+        r = rs[-1]
+        durs = sorted(x["dur"] for x in rs)
+        print(f"{tag}: {name[:40]:40s} median {durs[len(durs) // 2]:8.1f} us "
+              + " ".join(f"{k}={r[k]}" for k in ARGS), flush=True)
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import jax_fusedloss
+    import torch_ref
+    from jax_fusedloss.kernels import launch
+
+    print(f"# {torch.cuda.get_device_name()}; median of 5 calls after one", flush=True)
+    for v in VOCABS:
+        _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch)
+
+
+def _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch):
+    from jax_fusedloss import _triton_jax
+
+    n = 8192
+    x = jax.random.normal(jax.random.key(0), (n, v), jnp.bfloat16) * 2
+    y = jax.random.randint(jax.random.key(1), (n,), 0, v, jnp.int32)
+    xt = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 2
+    yt = torch.randint(0, v, (n,), device="cuda")
+    for label, knobs in CONFIGS.items():
+        label = f"V={v} {label}"
+        saved = {k: getattr(launch, k) for k in knobs}
+        for k, val in knobs.items():
+            setattr(launch, k, val)
+        try:
+            # jax-triton's compile cache keys on the kernel, constexprs and warps, not on the
+            # register cap: compile each config afresh
+            _triton_jax._jax_triton().triton_lib._COMPILED_KERNEL_CACHE.clear()
+            f = jax.jit(jax.value_and_grad(lambda a: jax_fusedloss.cross_entropy(a, y)))
+
+            def run_jax():
+                for _ in range(5):
+                    out = f(x)
+                jax.block_until_ready(out)
+
+            def run_torch():
+                for _ in range(5):
+                    a = xt.detach().requires_grad_(True)
+                    torch_ref.cross_entropy(a, yt).backward()
+                torch.cuda.synchronize()
+
+            run_jax()
+            run_torch()
+            _show(f"{label} jax", kernel_records(run_jax))
+            _show(f"{label} torch", kernel_records(run_torch))
+        finally:
+            for k, val in saved.items():
+                setattr(launch, k, val)
+
+
+if __name__ == "__main__":
+    main()
