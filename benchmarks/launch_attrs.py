@@ -2,6 +2,7 @@
 (registers a thread, grid, block, shared memory, the profiler's occupancy estimate, duration).
 
     source .whl/gpu-env.sh && python -m benchmarks.launch_attrs > $OUT/launch_attrs.txt
+    source .whl/gpu-env.sh && python -m benchmarks.launch_attrs --survey > $OUT/survey.txt
 
 jax-triton hands jaxlib the PTX of a kernel and jaxlib turns it into machine code itself, while
 PyTorch launches Triton's own cubin (its bundled ptxas): the two may allocate registers
@@ -110,5 +111,58 @@ def _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch):
                 setattr(launch, k, val)
 
 
+SURVEY = (("cross_entropy", "bf16", 32000), ("cross_entropy", "bf16", 50257),
+          ("cross_entropy", "bf16", 128256), ("cross_entropy", "bf16", 151936),
+          ("cross_entropy", "fp32", 128256), ("kd_loss", "bf16", 50257),
+          ("kd_loss", "bf16", 128256), ("distill_loss", "bf16", 128256),
+          ("logsumexp", "bf16", 128256))
+
+
+def survey():
+    """--survey: registers a thread of every kernel of the suite's fwd_bwd at N=8192 for the
+    SURVEY cases, launched from JAX (value_and_grad) and from torch_ref (backward)."""
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}; fwd_bwd, N=8192", flush=True)
+    for op, dtype, v in SURVEY:
+        for tag, regs in _survey_case(op, dtype, v).items():
+            print(f"{op} {dtype} V={v} {tag}: " + ", ".join(
+                f"{k} {n} regs x {b} threads {d} us" for k, (n, b, d) in regs.items()),
+                flush=True)
+        torch.cuda.empty_cache()
+
+
+def _survey_case(op: str, dtype: str, v: int) -> dict:
+    import jax
+    import torch
+
+    from benchmarks import jax_impls, shapes, torch_impls
+
+    p = shapes.Problem(op, "fwd_bwd", 8192, v, shapes.teacher_k(op), dtype, 0)
+    jimpls, _ = jax_impls.implementations(op, dtype, {"jax_fusedloss"}, True)
+    f = jax.jit(jax_impls.objective(jimpls["jax_fusedloss"], "fwd_bwd"))
+    jin = jax_impls.make_inputs(p, 0)
+    timpls, _ = torch_impls.implementations(op, {"torch_ref"}, True)
+    tin = torch_impls.make_inputs(p, 0, "cuda")
+    tfn = torch_impls.objective(timpls["torch_ref"], "fwd_bwd")
+    x = tin[0].detach().requires_grad_(True)
+
+    def run_jax():
+        jax.block_until_ready(f(*jin))
+
+    def run_torch():
+        tfn(x, *tin[1:])
+        torch.cuda.synchronize()
+
+    out = {}
+    for tag, run in (("jax", run_jax), ("torch", run_torch)):
+        run()
+        out[tag] = {r["name"]: (r["registers per thread"], r["block"][0], round(r["dur"]))
+                    for r in kernel_records(run) if r["name"].endswith("_kernel")}
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    survey() if "--survey" in sys.argv else main()
