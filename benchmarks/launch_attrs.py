@@ -13,6 +13,7 @@ N=8192, V=256000 and 255999 (unaligned rows), CONFIGS below.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -59,21 +60,24 @@ def _show(tag: str, records: list[dict]) -> None:
 
 
 def main():
+    import torch
+
+    print(f"# {torch.cuda.get_device_name()}; median of 5 calls after one", flush=True)
+    for v in VOCABS:
+        _vocab(v)
+
+
+def _vocab(v: int) -> None:
+    from unittest import mock
+
     import jax
     import jax.numpy as jnp
     import torch
 
     import jax_fusedloss
     import torch_ref
-    from jax_fusedloss.kernels import launch
-
-    print(f"# {torch.cuda.get_device_name()}; median of 5 calls after one", flush=True)
-    for v in VOCABS:
-        _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch)
-
-
-def _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch):
     from jax_fusedloss import _triton_jax
+    from jax_fusedloss.kernels import launch
 
     n = 8192
     x = jax.random.normal(jax.random.key(0), (n, v), jnp.bfloat16) * 2
@@ -81,11 +85,7 @@ def _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch):
     xt = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 2
     yt = torch.randint(0, v, (n,), device="cuda")
     for label, knobs in CONFIGS.items():
-        label = f"V={v} {label}"
-        saved = {k: getattr(launch, k) for k in knobs}
-        for k, val in knobs.items():
-            setattr(launch, k, val)
-        try:
+        with mock.patch.multiple(launch, **knobs) if knobs else contextlib.nullcontext():
             # jax-triton's compile cache keys on the kernel, constexprs and warps, not on the
             # register cap: compile each config afresh
             _triton_jax._jax_triton().triton_lib._COMPILED_KERNEL_CACHE.clear()
@@ -104,11 +104,8 @@ def _vocab(v, jax, jnp, torch, jax_fusedloss, torch_ref, launch):
 
             run_jax()
             run_torch()
-            _show(f"{label} jax", kernel_records(run_jax))
-            _show(f"{label} torch", kernel_records(run_torch))
-        finally:
-            for k, val in saved.items():
-                setattr(launch, k, val)
+            _show(f"V={v} {label} jax", kernel_records(run_jax))
+            _show(f"V={v} {label} torch", kernel_records(run_torch))
 
 
 SURVEY = (("cross_entropy", "bf16", 32000), ("cross_entropy", "bf16", 50257),

@@ -8,6 +8,7 @@ tiles (launch.KEEP_VOCAB) cost 8-16 registers each and spill with a softcap. H10
 benchmarks/results/registers_h100_triton36.txt.
 """
 import itertools
+from unittest import mock
 
 import triton
 
@@ -54,13 +55,9 @@ def main():
                 show(f"kd V={v} distill={distill} T={t}", *spec)
     # distill_loss T=2 with and without the power form (launch.kd_power forced)
     for v, power in itertools.product((32000, 50257, 128256), (False, True)):
-        saved = launch.kd_power
-        launch.kd_power = lambda *_, p=power: p
-        try:
+        with mock.patch.object(launch, "kd_power", lambda *_, p=power: p):
             plan = kd.kd_fwd_plan(8192, v, 64, temperature=2.0, normalize="full", distill=True,
                                   ignore_index=-100, num_sms=132, write_grad=True, itemsize=2)
-        finally:
-            launch.kd_power = saved
         for spec in _specs(plan, "bf16", types):
             if spec[0].__name__ == "kd_fwd_kernel":
                 show(f"distill T=2 V={v} power={power}", *spec)

@@ -234,19 +234,19 @@ def split_fused_config(n_rows: int, vocab: int, itemsize: int,
     if n_rows < PROGRAMS_PER_SM * num_sms or vocab * itemsize < SPLIT_FUSED_MIN_ROW_BYTES:
         return None
     keep = 0 if softcap is not None else SPLIT_FUSED_KEEP.get(itemsize, 0)
+    align = vocab_align(vocab)
     tile, slice_bytes, maxnreg = SPLIT_FUSED_TILE_ELEMS, SPLIT_FUSED_SLICE_BYTES, None
     if keep and itemsize in SPLIT_FUSED_KEPT:
         tile, slice_bytes, maxnreg = SPLIT_FUSED_KEPT[itemsize]
-        if vocab_align(vocab) * itemsize < 16:
+        if align * itemsize < 16:  # unaligned rows: no cap (see SPLIT_FUSED_KEPT)
             maxnreg = None
     block_v, num_warps = _tile(vocab, tile)
     n_tiles = triton.cdiv(vocab, block_v)
     per_slice = max(1, slice_bytes // (block_v * itemsize),
                     triton.cdiv(n_tiles, SPLIT_FUSED_MAX_SPLITS))
     split_v = per_slice * block_v
-    return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v,
-                     vocab_align(vocab), vocab >= PREFETCH_MIN_VOCAB and not keep, keep,
-                     maxnreg)
+    return RowConfig(block_v, num_warps, triton.cdiv(vocab, split_v), split_v, align,
+                     vocab >= PREFETCH_MIN_VOCAB and not keep, keep, maxnreg)
 
 
 def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
