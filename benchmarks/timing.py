@@ -4,10 +4,17 @@ Both frameworks are timed the same way: one *call* applies the op to R different
 buffers back to back (R > 1 only for inputs smaller than `ROTATE_BYTES`: a mid-sized input is
 then not re-read from L2, and per-call overheads are amortised); one *sample* is G calls
 issued back to back, divided by G * R; the figures are the median and the 20th/80th
-percentiles of M samples, after warm-up (compilation excluded). PyTorch samples are timed
-with CUDA events on the current stream; JAX's stream is invisible to them, so a JAX sample is
-host wall-clock time from before the first dispatch to `block_until_ready` on the last call
-(JAX dispatches asynchronously, so the host runs ahead while the device works).
+percentiles of M samples, after warm-up (compilation excluded).
+
+PyTorch samples are timed with CUDA events on the current stream: from the GPU's start of the
+first call to its end of the last, launch gaps between calls included. JAX's stream is
+invisible to them, so JAX samples use the host clock, which also counts what a sample pays
+once: the dispatch of its first call until the GPU starts, and the host's wake-up after the
+last (~0.3 ms on H100; see SAMPLE_S). A training loop, which dispatches each step while the
+GPU runs the previous one, never pays that, so a JAX sample is the steady-state time per call
+(`time_jax`): the host time of G + 1 calls minus that of 1 call, over G, each run ended by
+`block_until_ready`. Like the CUDA events it keeps every gap between consecutive programs, and
+a call whose dispatch outlasts its GPU work is timed by its dispatch.
 """
 from __future__ import annotations
 
@@ -21,11 +28,12 @@ ROTATE_BYTES = 64 << 20  # rotate inputs until a call touches this much (H100 L2
 # ... but at most this many copies: each is one more op to compile, and 8 ops of a few us
 # already outlast the host's dispatch of one call.
 MAX_ROTATE = 8
-# A sample lasts at least this long. Its fixed cost (the host's first dispatch until the GPU
-# starts, and the wake-up after the last call) is ~0.3 ms, not one launch latency: H100, jitted
-# value_and_grad of cross_entropy, bf16 [8192, 128256], per call with G = 1 / 3 / 6 / 10:
-# 1.88 / 1.70 / 1.63 / 1.61 ms (optax 3.23 / 2.97 / 2.93 / 2.91 ms). 20 ms keeps it at ~1.5%
-# for calls of a few ms (5 ms, before 2026-11-24, added ~6%: G = 3).
+# A sample lasts at least this long. A JAX run's fixed cost (the host's first dispatch until the
+# GPU starts, and the wake-up after the last call) is ~0.3 ms, not one launch latency: H100,
+# jitted value_and_grad of cross_entropy, bf16 [8192, 128256], host time per call of G calls,
+# G = 1 / 3 / 6 / 10: 1.88 / 1.70 / 1.63 / 1.61 ms (optax 3.23 / 2.97 / 2.93 / 2.91 ms).
+# Until 2026-11-24 (eighth session) JAX samples were G calls' host time over G, so that cost
+# stayed in at ~1.5-3% of a few-ms call; since then time_jax subtracts it (module docstring).
 SAMPLE_S = 20e-3
 CASE_S = 0.15  # time spent sampling one case (after warm-up)
 MIN_SAMPLES, MAX_SAMPLES = 10, 40
@@ -61,23 +69,28 @@ def plan(call_s: float, out_bytes: int, smoke: bool = False) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------- JAX
-def time_jax(call: Callable[[], Any], per_call: int, out_bytes: int,
+def time_jax(call: Callable[[], Any], ops: int, out_bytes: int,
              smoke: bool = False) -> Stats:
-    """Times `call()` (a compiled JAX function bound to its inputs) doing `per_call` ops."""
+    """Times `call()` (a compiled JAX function bound to its inputs) doing `ops` ops: each
+    sample is (host time of G + 1 back-to-back calls - host time of 1 call) / G, both runs
+    ended by `block_until_ready`, so what every run pays once cancels (module docstring)."""
     import jax
 
-    jax.block_until_ready(call())  # warm-up: first execution, allocator growth
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    g, m = plan(time.perf_counter() - start, out_bytes, smoke)
-    samples = []
-    for _ in range(m):
+    def run(calls: int) -> float:
         start = time.perf_counter()
-        for _ in range(g):
+        for _ in range(calls):
             out = call()
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (g * per_call))
-        del out
+        return time.perf_counter() - start
+
+    jax.block_until_ready(call())  # warm-up: first execution, allocator growth
+    one = run(1)
+    per_call = (run(3) - one) / 2  # G from the steady-state time, not the fixed cost
+    g, m = plan(per_call if per_call > 0 else one, out_bytes, smoke)
+    samples = []
+    for _ in range(m):
+        one = run(1)
+        samples.append((run(g + 1) - one) / (g * ops))
     return summarize(samples)
 
 

@@ -252,3 +252,29 @@ def test_gpu_activities_split_into_executions():
         timing.executions(acts[:3], 2)
     with pytest.raises(RuntimeError, match="0 GPU activities"):
         timing.executions([], 1)
+
+
+def test_time_jax_subtracts_what_each_run_pays_once(monkeypatch):
+    """A JAX sample is the steady-state time per call: a fixed cost of every run (here a 6 ms
+    wake-up in block_until_ready, against 1 ms calls) cancels, where G calls' time over G would
+    keep 6 / G ms of it."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import timing
+
+    out = jnp.ones(4)
+
+    def call():
+        time.sleep(1e-3)
+        return out
+
+    def slow_wake(x):
+        time.sleep(6e-3)
+        return x
+
+    monkeypatch.setattr(jax, "block_until_ready", slow_wake)
+    stats = timing.time_jax(call, 1, out.nbytes)
+    assert 0.9 < stats.median_ms < 1.3, stats  # G = 20 calls' time over G: 1.3 ms
