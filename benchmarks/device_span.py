@@ -1,11 +1,12 @@
 """Host clock against device time for the benchmark's target shapes (JAX, value_and_grad).
 
-`benchmarks.run` times a jitted call with the host clock over ~20 ms samples of back-to-back
-calls; that includes what each sample pays once (dispatch of the first call, the wake-up after
-the last) and the gaps between consecutive programs. Inside a training step the loss pays
-neither. This tool times the same programs both ways and lists their GPU activities (CUPTI,
-through torch's profiler): device span per call = first GPU activity of an execution to the
-end of its last, the op's own XLA kernels and the gaps between them included.
+Its host column is 12 back-to-back calls' host time over 12, which includes what a run pays
+once (dispatch of the first call, the wake-up after the last; `benchmarks.run` subtracts it
+since 2026-11-24, see `benchmarks.timing`) and the gaps between consecutive programs. Inside a
+training step the loss pays neither. This tool times the same programs both ways and lists
+their GPU activities (CUPTI, through torch's profiler): device span per call = first GPU
+activity of an execution to the end of its last, the op's own XLA kernels and the gaps
+between them included.
 
     source .whl/gpu-env.sh && python3 -m benchmarks.device_span > $OUT/device_span.txt
 """
