@@ -75,6 +75,34 @@ def _layout(mesh, x_shape, x_sharding, has_vp: bool):
     return rows, vocab
 
 
+def auto_mesh(mesh):
+    """`mesh` with every axis of type Auto (the same devices and names).
+
+    custom_partitioning hands its callbacks the mesh of the arguments' shardings, with their
+    axis types, and traces the partitioned body under the caller's context mesh (`jax.set_mesh`
+    around the compile). With Explicit axes the body then carries sharding-in-types annotations
+    (Shardy `Sharding` custom calls) into the per-device program, which is built after XLA's
+    sharding passes: nothing removes them and the backend rejects them (jax 0.11.2: "No
+    registered implementation for untyped custom call to Sharding" on CPU; on GPUs an abort
+    inside an all-reduce). The per-device body needs no propagation: Auto axes
+    (`auto_traced`)."""
+    types = getattr(mesh, "axis_types", ())
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(types))
+
+
+def auto_traced(fn: Callable, mesh) -> Callable:
+    """`fn` traced with the Auto-axes form of `mesh` as the context mesh (auto_mesh)."""
+    abstract = auto_mesh(mesh).abstract_mesh
+
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(abstract):
+            return fn(*args)
+    return traced
+
+
 def _row_sharding(mesh, rows, ndim: int):
     return NamedSharding(mesh, P(_entry(rows), *([None] * (ndim - 1))))
 
@@ -105,12 +133,14 @@ def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
                      for kind, nd in zip(kinds, out_ndims))
 
     def infer(mesh, arg_shapes, result_shape):
+        mesh = auto_mesh(mesh)
         x = arg_shapes[0]
         rows, vocab = _layout(mesh, x.shape, x.sharding, fns.vocab_parallel is not None)
         x_sharding = NamedSharding(mesh, P(_entry(rows), _entry(vocab)))
         return out_shardings(mesh, rows, x_sharding)
 
     def partition(mesh, arg_shapes, result_shape):
+        mesh = auto_mesh(mesh)
         x = arg_shapes[0]
         use = fns if fallback is None or mesh.size == 1 else fallback
         rows, vocab = _layout(mesh, x.shape, x.sharding, use.vocab_parallel is not None)
@@ -122,7 +152,8 @@ def partitioned(fns: RowFns, fallback: RowFns | None, in_ndims: tuple[int, ...],
                 return tuple(use.vocab_parallel(x, *rows_in, axes=vocab))
             return tuple(use.local(x, *rows_in))
 
-        return mesh, lower, out_shardings(mesh, rows, x_sharding), arg_shardings
+        return (mesh, auto_traced(lower, mesh), out_shardings(mesh, rows, x_sharding),
+                arg_shardings)
 
     call.def_partition(partition=partition, infer_sharding_from_operands=infer,
                        sharding_rule=_rule(in_ndims, list(zip(kinds, out_ndims))))
@@ -152,27 +183,13 @@ def _pcast_to(out, axes: frozenset):
 
 
 def _explicit_axes(x) -> bool:
-    """Whether x is sharded over a mesh with Explicit axes; raises NotImplementedError
-    (EXPLICIT_ON_GPUS) for such a mesh of several GPUs, at trace time, for every op (call_rows
-    and call_dims ask this first)."""
+    """Whether x is sharded over a mesh with Explicit axes (call_rows and call_dims then run the
+    partitioned form in Auto mode; its bodies are traced on Auto axes, see auto_mesh)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or not getattr(mesh, "axis_names", ()):
         return False
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-    if explicit and mesh.size > 1:
-        from jax_fusedloss import _triton_jax
-
-        if _triton_jax.on_cuda_gpu():
-            raise NotImplementedError(EXPLICIT_ON_GPUS)
-    return explicit
-
-
-EXPLICIT_ON_GPUS = (
-    "jax_fusedloss: logits sharded over several GPUs with Explicit mesh axes "
-    "(jax.sharding.AxisType.Explicit) are not supported yet: the compiled programs keep Shardy "
-    "sharding annotations that XLA's GPU backend rejects or aborts on (2 x H200, jax 0.11.2). "
-    "Build the mesh with AxisType.Auto axes (jax.make_mesh's default).")
+    return any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def call_rows(fns: RowFns, fallback: RowFns | None, x, *rows, vocab_axis=None):
@@ -305,12 +322,14 @@ def partitioned_dims(body: Callable, in_dims: tuple[str, ...],
         return tuple(NamedSharding(mesh, dims_spec(d, rows, vocab)) for d in dims)
 
     def infer(mesh, arg_shapes, result_shape):
+        mesh = auto_mesh(mesh)
         return shardings(mesh, out_dims, *layout(mesh, arg_shapes))
 
     def partition(mesh, arg_shapes, result_shape):
+        mesh = auto_mesh(mesh)
         rows, vocab = layout(mesh, arg_shapes)
-        return (mesh, body(mesh, rows, vocab), shardings(mesh, out_dims, rows, vocab),
-                shardings(mesh, in_dims, rows, vocab))
+        return (mesh, auto_traced(body(mesh, rows, vocab), mesh),
+                shardings(mesh, out_dims, rows, vocab), shardings(mesh, in_dims, rows, vocab))
 
     rule = ", ".join(" ".join(d) for d in in_dims) + " -> " + ", ".join(
         " ".join(d) for d in out_dims)

@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedloss as jfl  # noqa: E402
-from tests.multidevice_check import COLLECTIVE  # noqa: E402
+from tests.multidevice_check import COLLECTIVE, leftover_sharding_calls  # noqa: E402
 
 N, D, V, CHUNK = 128, 16, 96, 32  # local chunks: 2 or 4 (ragged ones: single-device tests)
 TOL = 1e-4
@@ -150,6 +150,8 @@ def main(impl: str, only: str | None = None) -> int:
                 bad = bad_collectives(hlo, ndev)
                 if bad:
                     extra += f"big collectives {bad[:2]}"
+                if leftover_sharding_calls(hlo):
+                    extra += f"{leftover_sharding_calls(hlo)} Sharding custom calls"
                 check(tag, v, g, "mean", extra)
         mesh = jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
         for rows, vocab in SHARD_MAP_LAYOUTS[QUICK]:
