@@ -12,9 +12,10 @@ invisible to them, so JAX samples use the host clock, which also counts what a s
 once: the dispatch of its first call until the GPU starts, and the host's wake-up after the
 last (~0.3 ms on H100; see SAMPLE_S). A training loop, which dispatches each step while the
 GPU runs the previous one, never pays that, so a JAX sample is the steady-state time per call
-(`time_jax`): the host time of G + 1 calls minus that of 1 call, over G, each run ended by
-`block_until_ready`. Like the CUDA events it keeps every gap between consecutive programs, and
-a call whose dispatch outlasts its GPU work is timed by its dispatch.
+(`time_jax`): the host time of G + 1 calls less that fixed cost, over G + 1, the fixed cost
+estimated from runs of 1 call against runs of G + 1 (each run ended by `block_until_ready`).
+Like the CUDA events it keeps every gap between consecutive programs, and a call whose
+dispatch outlasts its GPU work is timed by its dispatch.
 """
 from __future__ import annotations
 
@@ -71,9 +72,16 @@ def plan(call_s: float, out_bytes: int, smoke: bool = False) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- JAX
 def time_jax(call: Callable[[], Any], ops: int, out_bytes: int,
              smoke: bool = False) -> Stats:
-    """Times `call()` (a compiled JAX function bound to its inputs) doing `ops` ops: each
-    sample is (host time of G + 1 back-to-back calls - host time of 1 call) / G, both runs
-    ended by `block_until_ready`, so what every run pays once cancels (module docstring)."""
+    """Times `call()` (a compiled JAX function bound to its inputs) doing `ops` ops at steady
+    state: what every run pays once cancels (module docstring).
+
+    Each sample times a run of 1 call and a run of G + 1 calls, both ended by
+    `block_until_ready`: one = F + c, total = F + (G + 1) c for a fixed cost F and a call's
+    time c. F is estimated once, as the median over samples of ((G + 1) one - total) / G,
+    held within [0, half the shortest total], and each sample is (total - F) / (G + 1):
+    positive even where F is lost in the noise (a loaded CPU, tiny ops), c where it is not.
+    (The run of 2c17c29 took (total - one) / G sample by sample, which a loaded CPU once
+    drove below 0 at a tiny shape.)"""
     import jax
 
     def run(calls: int) -> float:
@@ -87,11 +95,14 @@ def time_jax(call: Callable[[], Any], ops: int, out_bytes: int,
     one = run(1)
     per_call = (run(3) - one) / 2  # G from the steady-state time, not the fixed cost
     g, m = plan(per_call if per_call > 0 else one, out_bytes, smoke)
-    samples = []
+    g = max(g, 2)
+    ones, totals = [], []
     for _ in range(m):
-        one = run(1)
-        samples.append((run(g + 1) - one) / (g * ops))
-    return summarize(samples)
+        ones.append(run(1))
+        totals.append(run(g + 1))
+    fixed = float(np.median([((g + 1) * o - t) / g for o, t in zip(ones, totals)]))
+    fixed = min(max(fixed, 0.0), 0.5 * min(totals))
+    return summarize([(t - fixed) / ((g + 1) * ops) for t in totals])
 
 
 def jax_peak_bytes(compiled, per_call: int) -> int | None:

@@ -1,7 +1,7 @@
 """The JAX sample estimators side by side, in one process: G back-to-back calls' host time over
 G (the suite's estimator until 2026-11-24) against the steady-state estimator of
-`timing.time_jax` ((G + 1 calls - 1 call) / G), alternated, for a few host-bound and
-GPU-bound cases of the suite, ours and a baseline each.
+`timing.time_jax` (G + 1 calls less the fixed cost, over G + 1), alternated, for a few
+host-bound and GPU-bound cases of the suite, ours and a baseline each.
 
     source .whl/gpu-env.sh && python3 -m benchmarks.timing_ab
 """
