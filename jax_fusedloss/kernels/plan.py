@@ -45,7 +45,7 @@ class Launch(NamedTuple):
     # A cap on registers a thread (Triton's `maxnreg`, PTX .maxnreg) or None. jaxlib turns the
     # PTX jax-triton hands it into machine code with its own compiler, which may allocate more
     # registers than Triton's ptxas does for PyTorch (fewer programs per SM); the cap makes
-    # both the same where that matters (launch.SPLIT_FUSED_MAXNREG). A function of the kernel,
+    # both the same where that matters (launch.SPLIT_FUSED_KEPT). A function of the kernel,
     # its constexprs and warps: jax-triton's compile cache does not key on it.
     maxnreg: int | None = None
 
