@@ -98,6 +98,38 @@ def test_many_splits(impl, monkeypatch):
     OPS["both"].check(impl, "float32", (2, 1201), seed=7, temperature=0.7)
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch_ref"])
+def test_merge_leaves_its_counter_at_zero(impl, monkeypatch):
+    """The one-launch split forward's arrival counter starts at zero and must end at zero
+    (plan.Launch.counter: the GPU launcher keeps it across launches), with the merged values
+    right; the counter is the input the plan declares."""
+    monkeypatch.setattr(red_kernels, "row_config", small_tiles)
+    x = random_logits(11, (3, 1201), "float32")
+    y = jnp.asarray([4, 1200, 17], jnp.int32)
+    plan = red_kernels.red_fwd_plan(3, 1201, inv_temp=1.0, entropy=True, has_label=True,
+                                    num_sms=64)
+    (step,) = plan.launches
+    assert step.counter == 2 and dict(step.aliases)[2] == [b.name for b in step.outputs].index(
+        "sync")
+    names = ("lse", "ent", "logp", "sync")
+    if impl == "triton":
+        lse, ent, logp, sync = _triton_jax.run_plan(plan, names, x=x, y=y)
+    else:
+        import torch
+
+        from torch_ref import _launch
+
+        out = _launch.run_plan(plan._replace(results=names),
+                               x=torch.from_numpy(np.array(to_numpy(x))),
+                               y=torch.from_numpy(np.array(to_numpy(y))))
+        lse, ent, logp, sync = (o.numpy() for o in out)
+    np.testing.assert_array_equal(to_numpy(sync), np.zeros(3, np.int32))
+    ref = jax_ref.token_logprobs(x, y, return_entropy=True)
+    assert_close(to_numpy(lse), to_numpy(jax_ref.logsumexp(x)), rtol=1e-6, what="lse")
+    assert_close(to_numpy(logp), to_numpy(ref[0]), rtol=1e-5, atol=1e-6, what="logp")
+    assert_close(to_numpy(ent), to_numpy(ref[1]), rtol=1e-5, atol=1e-6, what="entropy")
+
+
 def masked_logits(dtype):
     """Row 0 all -inf, row 1 -inf but one entry, row 2 -inf at the label, row 3 ordinary."""
     logits = random_logits(9, (4, 700), "float32").at[0].set(-jnp.inf)
