@@ -16,14 +16,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_fusedloss  # noqa: E402
-from jax_fusedloss import _triton_jax  # noqa: E402
+from jax_fusedloss import _counter_call, _triton_jax  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _targets(compiled_text: str) -> set[str]:
     found = set()
-    for target in (_triton_jax.FFI_TARGET, _triton_jax.LEGACY_TARGET):
+    for target in (_triton_jax.FFI_TARGET, _triton_jax.LEGACY_TARGET, _counter_call.TARGET):
         if f'custom_call_target="{target}"' in compiled_text:
             found.add(target)
     return found
@@ -47,15 +47,17 @@ def _reductions(x, y):
             jax_fusedloss.token_logprobs(x, y, return_entropy=True, implementation="triton"))
 
 
-@pytest.mark.parametrize("fn,n,vocab,dtype", [
-    (_ce_value_and_grad, 512, 32000, jnp.bfloat16),     # one program per row, fused gradient
-    (_ce_value_and_grad, 264, 114689, jnp.float32),    # split forward + gradient (aliased counter)
-    (_ce_value_and_grad, 264, 229384, jnp.bfloat16),   # the same keeping a tile, register cap
-    (_ce_value_and_grad, 4, 50257, jnp.bfloat16),      # few rows: partials + merge
-    (_reductions, 8, 128256, jnp.bfloat16),            # split reductions, one launch
-    (_reductions, 300, 50257, jnp.float16),
+@pytest.mark.parametrize("fn,n,vocab,dtype,counter", [
+    (_ce_value_and_grad, 512, 32000, jnp.bfloat16, False),   # one program per row, fused grad
+    (_ce_value_and_grad, 264, 114689, jnp.float32, False),   # split fwd + grad (aliased counter)
+    (_ce_value_and_grad, 264, 229384, jnp.bfloat16, False),  # the same keeping a tile, reg cap
+    (_ce_value_and_grad, 4, 50257, jnp.bfloat16, False),     # few rows: partials + merge
+    (_reductions, 8, 128256, jnp.bfloat16, True),   # split reductions, one launch: the counter
+    (_reductions, 300, 50257, jnp.float16, False),           # launcher's kept counter
 ], ids=lambda p: getattr(p, "__name__", str(p)))
-def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype):
+def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype, counter):
+    """The typed-FFI calls (jaxlib's, and our counter launcher's where a launch has a
+    self-resetting counter) give the legacy call's bits."""
     if _triton_jax.call_target() != _triton_jax.FFI_TARGET:
         pytest.skip("this jaxlib has no typed-FFI Triton call")
     keys = jax.random.split(jax.random.key(n + vocab), 2)
@@ -63,7 +65,8 @@ def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype):
     y = jax.random.randint(keys[1], (n,), 0, vocab)
     out_ffi, targets_ffi = _run(monkeypatch, "ffi", fn, x, y)
     out_legacy, targets_legacy = _run(monkeypatch, "legacy", fn, x, y)
-    assert targets_ffi == {_triton_jax.FFI_TARGET}
+    kept = counter and _counter_call.available()
+    assert targets_ffi == {_counter_call.TARGET if kept else _triton_jax.FFI_TARGET}
     assert targets_legacy == {_triton_jax.LEGACY_TARGET}
     for a, b in zip(jax.tree.leaves(out_ffi), jax.tree.leaves(out_legacy)):
         assert a.dtype == b.dtype and a.shape == b.shape

@@ -119,10 +119,11 @@ def test_merge_leaves_its_counter_at_zero(impl, monkeypatch):
 
         from torch_ref import _launch
 
+        device = "cuda" if HAS_GPU else "cpu"
         out = _launch.run_plan(plan._replace(results=names),
-                               x=torch.from_numpy(np.array(to_numpy(x))),
-                               y=torch.from_numpy(np.array(to_numpy(y))))
-        lse, ent, logp, sync = (o.numpy() for o in out)
+                               x=torch.from_numpy(np.array(to_numpy(x))).to(device),
+                               y=torch.from_numpy(np.array(to_numpy(y))).to(device))
+        lse, ent, logp, sync = (o.cpu().numpy() for o in out)
     np.testing.assert_array_equal(to_numpy(sync), np.zeros(3, np.int32))
     ref = jax_ref.token_logprobs(x, y, return_entropy=True)
     assert_close(to_numpy(lse), to_numpy(jax_ref.logsumexp(x)), rtol=1e-6, what="lse")
