@@ -215,3 +215,47 @@ def test_build_cache_dir_is_honoured(tmp_path, monkeypatch):
     monkeypatch.setenv("JFL_CACHE_DIR", str(tmp_path))
     assert _counter_call.build().parent == tmp_path
     assert os.listdir(tmp_path)
+
+
+@pytest.mark.gpu
+def test_tokens_sharded_over_local_gpus():
+    """Each GPU runs its own few rows through the launcher with a counter of its own (one per
+    call site and CUDA context): rows sharded over every local GPU, Auto axes, equal to the
+    float32 reference. Needs two or more GPUs."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 or more GPUs")
+    mesh = jax.sharding.Mesh(np.array(devices), ("rows",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows"))
+    x = random_logits(21, (4 * len(devices), V), "bfloat16")
+    y = jnp.asarray(np.random.default_rng(21).integers(0, V, x.shape[0]), jnp.int32)
+    xs, ys = jax.device_put(x, rows), jax.device_put(y, rows)
+
+    def program(a, b):
+        return jax_fusedloss.logsumexp(a), jax_fusedloss.token_logprobs(a, b)
+
+    fn = jax.jit(program, out_shardings=(rows, rows))
+    assert f'custom_call_target="{_counter_call.TARGET}"' in fn.lower(xs, ys).compile().as_text()
+    for _ in range(3):  # every execution finds each GPU's counter back at zero
+        lse, logp = fn(xs, ys)
+        assert_close(to_numpy(lse), to_numpy(_ref_lse(x)), rtol=1e-5, what="sharded lse")
+        ref_logp = jnp.take_along_axis(jax.nn.log_softmax(x.astype(jnp.float32)),
+                                       y[:, None], axis=-1)[:, 0]
+        assert_close(to_numpy(logp), to_numpy(ref_logp), rtol=1e-4, atol=1e-4,
+                     what="sharded logp")
+
+
+def test_unavailable_launcher_warns_once_and_falls_back(monkeypatch):
+    """Where the handler cannot be built (no compiler, no driver library) a call keeps the
+    zero-filled counter: available() is False and says why once, as a RuntimeWarning."""
+    monkeypatch.setenv("JFL_COUNTER_CALL", "1")
+    monkeypatch.setattr(_counter_call, "_registered", lambda: "no C++ compiler found")
+    _counter_call._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="counter launcher is off: no C\\+\\+ compiler"):
+        assert not _counter_call.available()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not _counter_call.available()  # said once
+    _counter_call._warn_once.cache_clear()
