@@ -4,15 +4,14 @@ Why: a one-launch split reduction merges each row's slice partials in the progra
 arrives last on a per-row int32 counter. Through jaxlib's Triton call that counter is an XLA
 buffer that must be zero-filled before every launch, a command-buffer node of its own (~1.5 us
 on H100, more than the whole launch at one row; benchmarks/results/zeros_ab_h100.txt). The
-handler in `_ffi/counter_call.c` keeps one counter per call site and device in memory of its
+handler in `_ffi/counter_call.cc` keeps one counter per call site and device in memory of its
 own, zeroed once; the kernel leaves it at zero again (its last program stores 0), so no fill
 is needed. Everything else is jaxlib's launch: the same PTX, grid, parameters and trailing
 scratch pointers, taken from the call jax-triton lowers (`decode_kernel_call`).
 
-The handler (plain C against XLA's FFI C API) is built on first use on a CUDA GPU with the
-host's C compiler, the one Triton needs for its own launcher ($CC, else cc, gcc or clang),
-against jaxlib's FFI headers (`jax.ffi.include_dir()`), and cached under $JFL_CACHE_DIR
-(default ~/.cache/jax_fusedloss). Where that cannot be done (no compiler, no CUDA driver library) a
+The handler is built on first use on a CUDA GPU with the host's C++ compiler against jaxlib's
+FFI headers (`jax.ffi.include_dir()`), cached under $JFL_CACHE_DIR (default
+~/.cache/jax_fusedloss). Where that cannot be done (no compiler, no CUDA driver library) a
 warning says why once and launches keep the zero-filled counter; JFL_COUNTER_CALL=0 chooses
 that path on purpose (the A/B switch of benchmarks/fewrows.py).
 
@@ -37,8 +36,8 @@ from typing import Any
 import numpy as np
 
 TARGET = "jfl_counter_call"
-SOURCE = Path(__file__).parent / "_ffi" / "counter_call.c"
-REVISION = 2  # JflCounterCallRevision() of the source
+SOURCE = Path(__file__).parent / "_ffi" / "counter_call.cc"
+REVISION = 1  # JflCounterCallRevision() of the source
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -65,8 +64,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
-    """The C compiler: $CC, else the first of cc, gcc, clang on PATH (Triton's own choice)."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
         if name and shutil.which(name):
             return shutil.which(name)
     return None
@@ -78,12 +76,12 @@ def build(include_dir: str | None = None, out_dir: Path | None = None) -> Path:
     import jax
 
     include_dir = include_dir or jax.ffi.include_dir()
-    cc_path = compiler()
-    if cc_path is None:
-        raise RuntimeError("no C compiler found (set CC, or install gcc or clang)")
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
     header = Path(include_dir) / "xla" / "ffi" / "api" / "c_api.h"
     digest = hashlib.sha256(SOURCE.read_bytes() + header.read_bytes()
-                            + cc_path.encode()).hexdigest()[:16]
+                            + cxx.encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"counter_call-{digest}.so"
     if lib.exists():
@@ -91,8 +89,8 @@ def build(include_dir: str | None = None, out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        cmd = [cc_path, "-O2", "-std=c11", "-shared", "-fPIC", "-isystem", include_dir,
-               str(SOURCE), "-o", str(tmp_lib), "-ldl", "-lpthread"]
+        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-isystem", include_dir,
+               str(SOURCE), "-o", str(tmp_lib), "-ldl"]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{run.stderr[-2000:]}")
@@ -170,7 +168,7 @@ def _fields(buf: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
-# Parameter oneof field -> handler kind (counter_call.c): bool, i32, u32, i64, u64, f32, f64
+# Parameter oneof field -> handler kind (counter_call.cc): bool, i32, u32, i64, u64, f32, f64
 _SCALAR_KINDS = {2: 8, 3: 3, 4: 6, 5: 4, 6: 7, 7: 5, 8: 9}
 ARRAY = -1  # a buffer parameter, resolved by the caller
 

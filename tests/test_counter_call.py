@@ -1,4 +1,4 @@
-"""The counter launcher (jax_fusedloss/_counter_call.py, _ffi/counter_call.c): few-row split
+"""The counter launcher (jax_fusedloss/_counter_call.py, _ffi/counter_call.cc): few-row split
 reductions launched through our typed-FFI handler, which keeps each call site's arrival
 counter in memory of its own instead of a buffer XLA zero-fills before every launch.
 
@@ -28,7 +28,7 @@ from tests.helpers import assert_close, random_logits, to_numpy
 # ----------------------------------------------------------------------------- build (CPU)
 def test_handler_builds_against_jaxlib_headers(tmp_path):
     if _counter_call.compiler() is None:
-        pytest.skip("no C compiler on this machine")
+        pytest.skip("no C++ compiler on this machine")
     lib_path = _counter_call.build(out_dir=tmp_path)
     assert lib_path.exists() and lib_path.parent == tmp_path
     lib = ctypes.CDLL(str(lib_path))
@@ -40,11 +40,11 @@ def test_handler_builds_against_jaxlib_headers(tmp_path):
 
 def test_build_failure_names_the_compiler_error(tmp_path, monkeypatch):
     if _counter_call.compiler() is None:
-        pytest.skip("no C compiler on this machine")
-    bad = tmp_path / "bad.c"
-    bad.write_text("this is not C\n")
+        pytest.skip("no C++ compiler on this machine")
+    bad = tmp_path / "bad.cc"
+    bad.write_text("this is not C++\n")
     monkeypatch.setattr(_counter_call, "SOURCE", bad)
-    with pytest.raises(RuntimeError, match="bad.c failed"):
+    with pytest.raises(RuntimeError, match="bad.cc failed"):
         _counter_call.build(out_dir=tmp_path / "out")
 
 
@@ -211,7 +211,7 @@ def test_scan_vmap_and_repeated_sites():
 
 def test_build_cache_dir_is_honoured(tmp_path, monkeypatch):
     if _counter_call.compiler() is None:
-        pytest.skip("no C compiler on this machine")
+        pytest.skip("no C++ compiler on this machine")
     monkeypatch.setenv("JFL_CACHE_DIR", str(tmp_path))
     assert _counter_call.build().parent == tmp_path
     assert os.listdir(tmp_path)
@@ -249,9 +249,9 @@ def test_unavailable_launcher_warns_once_and_falls_back(monkeypatch):
     """Where the handler cannot be built (no compiler, no driver library) a call keeps the
     zero-filled counter: available() is False and says why once, as a RuntimeWarning."""
     monkeypatch.setenv("JFL_COUNTER_CALL", "1")
-    monkeypatch.setattr(_counter_call, "_registered", lambda: "no C compiler found")
+    monkeypatch.setattr(_counter_call, "_registered", lambda: "no C++ compiler found")
     _counter_call._warn_once.cache_clear()
-    with pytest.warns(RuntimeWarning, match="counter launcher is off: no C compiler"):
+    with pytest.warns(RuntimeWarning, match="counter launcher is off: no C\\+\\+ compiler"):
         assert not _counter_call.available()
     import warnings
 
