@@ -185,6 +185,38 @@ def test_program_of_many_calls_matches_zero_filled_path(rows, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_temperature_and_entropy_through_the_launcher(dtype, monkeypatch):
+    """A float scalar other than 1 (jax-triton folds 1.0 into the kernel, so inv_temp only
+    reaches the handler's parameter list at T != 1), entropy and an odd vocabulary: the
+    launcher's results equal the zero-filled path's bits and the float32 formulas."""
+    vocab = 50257
+    x = random_logits(5, (3, vocab), dtype)
+    y = jnp.asarray([0, vocab - 1, 12345], jnp.int32)
+
+    def program(a, b):
+        return (jax_fusedloss.logsumexp(a, temperature=0.7),
+                jax_fusedloss.entropy(a, temperature=0.7),
+                jax_fusedloss.token_logprobs(a, b, temperature=0.7))
+
+    outs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("JFL_COUNTER_CALL", mode)
+        fn = jax.jit(lambda a, b: program(a, b))
+        used = f'custom_call_target="{_counter_call.TARGET}"' in fn.lower(x, y).compile().as_text()
+        assert used == (mode == "1")
+        outs[mode] = [np.asarray(o) for o in fn(x, y)]
+    for a, b in zip(outs["1"], outs["0"]):
+        np.testing.assert_array_equal(a, b)
+    z = x.astype(jnp.float32) / 0.7
+    logp = jax.nn.log_softmax(z)
+    ref = (jax.nn.logsumexp(z, axis=-1), -(jnp.exp(logp) * logp).sum(-1),
+           jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0])
+    for got, want, what in zip(outs["1"], ref, ("lse", "entropy", "logp")):
+        assert_close(got, to_numpy(want), rtol=1e-4, atol=1e-4, what=what)
+
+
+@pytest.mark.gpu
 def test_scan_vmap_and_repeated_sites():
     """A call site inside a scan runs once per iteration on one counter; vmapped calls fold
     into rows; a program calls two different sites on the same input."""
