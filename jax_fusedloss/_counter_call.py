@@ -37,7 +37,7 @@ import numpy as np
 
 TARGET = "jfl_counter_call"
 SOURCE = Path(__file__).parent / "_ffi" / "counter_call.cc"
-REVISION = 1  # JflCounterCallRevision() of the source
+REVISION = 2  # JflCounterCallRevision() of the source
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()
@@ -215,15 +215,36 @@ def decode_kernel_call(opaque: bytes) -> dict[str, Any]:
     if any(f > 10 for f in k):
         raise ValueError("the kernel needs Triton scratch memory or other launch state")
     call.update(name=k[1].decode(), num_warps=k.get(2, 4), shared=k.get(3, 0),
-                ptx=k[4].decode())
+                ptx=k[4].decode(), capability=k.get(6, 0))
     return call
+
+
+_IMAGES: dict[tuple[str, int], bytes] = {}
+
+
+def machine_code(ptx: str, capability: int, backend) -> bytes:
+    """The cubin of `ptx` for `capability` from Triton's ptxas (what Triton builds for
+    PyTorch; jaxlib compiles PTX with its own compiler too, never the driver), cached per
+    process; the PTX itself where that fails, for the driver to compile."""
+    key = (ptx, capability)
+    if key not in _IMAGES:
+        try:
+            _IMAGES[key] = bytes(backend.make_cubin(ptx, {}, backend.parse_options({}),
+                                                    capability))
+        except Exception as e:  # noqa: BLE001 - the driver can still compile the PTX
+            warnings.warn(f"jax_fusedloss: Triton's ptxas failed ({type(e).__name__}: {e}); "
+                          "the counter launcher hands the driver PTX instead", RuntimeWarning,
+                          stacklevel=2)
+            _IMAGES[key] = ptx.encode()
+    return _IMAGES[key]
 
 
 def handler_attributes(call: dict[str, Any], n_operands: int, counter: tuple[int, int],
                        counter_words: int) -> dict[str, Any]:
-    """The handler's attributes for a decoded call whose buffers are jaxlib's (operands, then
-    results), with operand counter[0] and its aliased result counter[1] replaced by the
-    handler's counter: both leave the custom call, later operands and results shift down."""
+    """The handler's attributes for a decoded call (with its machine code as call["image"])
+    whose buffers are jaxlib's (operands, then results), with operand counter[0] and its
+    aliased result counter[1] replaced by the handler's counter: both leave the custom call,
+    later operands and results shift down."""
     c_in, c_out = counter
     kinds, values, b = [], [], 0
     for kind, value in call["params"]:
@@ -239,7 +260,7 @@ def handler_attributes(call: dict[str, Any], n_operands: int, counter: tuple[int
         kinds.append(kind)
         values.append(value)
     gx, gy, gz = call["grid"]
-    return dict(site=np.int64(next_site()), name=call["name"], ptx=call["ptx"],
+    return dict(site=np.int64(next_site()), name=call["name"], image=call["image"],
                 num_warps=np.int64(call["num_warps"]), shared=np.int64(call["shared"]),
                 grid_x=np.int64(gx), grid_y=np.int64(gy), grid_z=np.int64(gz),
                 counter_words=np.int64(counter_words),

@@ -218,7 +218,7 @@ def _register_ffi_lowering() -> None:
         aliases = dict(params["input_output_aliases"])
         new = None
         if "counter" in tags and _counter_call.available():
-            new = _counter_lowering(ctx, args, opaque, aliases, tags["counter"])
+            new = _counter_lowering(ctx, args, opaque, aliases, tags["counter"], init)
         if new is None:
             ffi = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
                                        operand_output_aliases=aliases)
@@ -229,7 +229,7 @@ def _register_ffi_lowering() -> None:
     mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
 
 
-def _counter_lowering(ctx, args, opaque: bytes, aliases: dict[int, int], spec: str):
+def _counter_lowering(ctx, args, opaque: bytes, aliases: dict[int, int], spec: str, init):
     """The call through _counter_call's handler, without the counter operand and result (the
     handler supplies its own); the counter's result is the (dead) zero operand itself. None
     when the kernel is one the handler does not launch (then jaxlib's call is used)."""
@@ -238,6 +238,8 @@ def _counter_lowering(ctx, args, opaque: bytes, aliases: dict[int, int], spec: s
         call = _counter_call.decode_kernel_call(opaque)
     except ValueError:
         return None
+    call["image"] = _counter_call.machine_code(call["ptx"], call["capability"],
+                                               init(0, call["capability"]))
     attrs = _counter_call.handler_attributes(call, len(args), (c_in, c_out), words)
     kept = [i for i in range(len(args)) if i != c_in]
     kept_out = [o for o in range(len(ctx.avals_out)) if o != c_out]

@@ -98,7 +98,7 @@ def test_decode_kernel_call_reads_jaxlib_proto():
     call = _counter_call.decode_kernel_call(_call_proto(params))
     assert call["name"] == "red_fwd_kernel" and call["num_warps"] == 8
     assert call["shared"] == 1024 and call["grid"] == [3, 32, 1]
-    assert call["ptx"].startswith(".version 8.4")
+    assert call["ptx"].startswith(".version 8.4") and call["capability"] == 90
     A = _counter_call.ARRAY
     assert call["params"] == [(A, 0), (A, 0), (A, 0), (3, -5), (4, 2**40), (5, f32), (6, 7),
                               (A, 0), (A, 0), (A, 0)]
@@ -107,7 +107,7 @@ def test_decode_kernel_call_reads_jaxlib_proto():
 def test_handler_attributes_drop_the_counter_and_shift_indices():
     A = _counter_call.ARRAY
     # buffers: operands x, y, sync_in (3), then results part, lse, sync (sync aliases sync_in)
-    call = dict(name="k", ptx="p", num_warps=4, shared=0, grid=[2, 16, 1],
+    call = dict(name="k", image=b"cubin", num_warps=4, shared=0, grid=[2, 16, 1],
                 params=[(A, 0), (A, 0), (A, 0), (3, 11), (5, 99), (A, 0), (A, 0), (A, 0)])
     attrs = _counter_call.handler_attributes(call, 3, (2, 2), counter_words=2)
     assert attrs["kinds"].tolist() == [0, 0, 2, 3, 5, 1, 1, 2]
@@ -291,3 +291,29 @@ def test_unavailable_launcher_warns_once_and_falls_back(monkeypatch):
         warnings.simplefilter("error")
         assert not _counter_call.available()  # said once
     _counter_call._warn_once.cache_clear()
+
+
+# A kernel with one pointer parameter that does nothing, in PTX for sm_90a.
+_TINY_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+.visible .entry jfl_tiny(.param .u64 jfl_tiny_param_0) { ret; }
+"""
+
+
+def _cuda_backend():
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return CUDABackend(GPUTarget("cuda", 90, 32))
+
+
+def test_machine_code_is_tritons_cubin_and_falls_back_to_ptx():
+    """The handler gets a cubin from Triton's ptxas (not PTX for the driver to compile, which a
+    driver older than Triton's PTX would refuse); PTX ptxas rejects goes through as PTX, with
+    a warning."""
+    image = _counter_call.machine_code(_TINY_PTX, 90, _cuda_backend())
+    assert image[:4] == b"\x7fELF"
+    broken = _TINY_PTX.replace("ret;", "not_an_instruction;")
+    with pytest.warns(RuntimeWarning, match="ptxas failed"):
+        assert _counter_call.machine_code(broken, 90, _cuda_backend()) == broken.encode()

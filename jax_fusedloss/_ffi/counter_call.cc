@@ -21,7 +21,9 @@
 //
 // Attributes (all set by jax_fusedloss/_counter_call.py):
 //   site (i64)            unique id of the call site
-//   name, ptx (string)    kernel symbol and PTX (the driver compiles it for the device)
+//   name (string)         kernel symbol
+//   image (bytes)         the kernel's cubin (Triton's ptxas), or its PTX for the driver to
+//                         compile where ptxas was not at hand
 //   num_warps, shared, grid_x, grid_y, grid_z (i64)
 //   counter_words (i64)   int32 words of the counter
 //   kinds, values (i64 arrays) one entry per kernel parameter, in order:
@@ -151,7 +153,7 @@ std::mutex& Mutex() {
   return *m;
 }
 
-// (site id, context) -> function and counter; (kernel name, ptx hash, context) -> function.
+// (site id, context) -> function and counter; (kernel name, image hash, context) -> function.
 std::map<std::pair<int64_t, CUcontext>, Site>& Sites() {
   static auto* sites = new std::map<std::pair<int64_t, CUcontext>, Site>();
   return *sites;
@@ -163,16 +165,16 @@ std::map<std::tuple<std::string, size_t, CUcontext>, CUfunction>& Functions() {
 }
 
 ffi::Error LoadFunction(const Driver& cu, CUcontext ctx, const std::string& name,
-                        std::string_view ptx, int64_t shared, CUfunction* out) {
-  auto key = std::make_tuple(name, std::hash<std::string_view>()(ptx), ctx);
+                        std::string_view image, int64_t shared, CUfunction* out) {
+  auto key = std::make_tuple(name, std::hash<std::string_view>()(image), ctx);
   auto it = Functions().find(key);
   if (it != Functions().end()) {
     *out = it->second;
     return ffi::Error::Success();
   }
-  std::string image(ptx);  // NUL-terminated for the driver
+  std::string data(image);  // a cubin, or PTX (NUL-terminated by std::string)
   CUmodule module = nullptr;
-  JFL_CU(cu.ModuleLoadData(&module, image.c_str()), "cuModuleLoadData");
+  JFL_CU(cu.ModuleLoadData(&module, data.c_str()), "cuModuleLoadData");
   CUfunction fn = nullptr;
   JFL_CU(cu.ModuleGetFunction(&fn, module, name.c_str()), "cuModuleGetFunction");
   if (shared > 49152) {  // above the static limit: opt in to dynamic shared memory
@@ -211,7 +213,7 @@ ffi::Error Initialize(CUstream stream, ffi::Dictionary attrs) {
   }
   JFL_ATTR(site, int64_t, "site");
   JFL_ATTR(name, std::string_view, "name");
-  JFL_ATTR(ptx, std::string_view, "ptx");
+  JFL_ATTR(image, std::string_view, "image");
   JFL_ATTR(shared, int64_t, "shared");
   JFL_ATTR(words, int64_t, "counter_words");
   CUcontext ctx = nullptr;
@@ -222,7 +224,7 @@ ffi::Error Initialize(CUstream stream, ffi::Dictionary attrs) {
   if (Sites().count(key)) return ffi::Error::Success();
   JFL_CU(cu.CtxPushCurrent(ctx), "cuCtxPushCurrent");
   Site s;
-  ffi::Error e = LoadFunction(cu, ctx, std::string(name), ptx, shared, &s.function);
+  ffi::Error e = LoadFunction(cu, ctx, std::string(name), image, shared, &s.function);
   if (e.success()) {
     size_t bytes = static_cast<size_t>(words > 0 ? words : 1) * 4;
     CUresult r = cu.MemAlloc(&s.counter, bytes);
@@ -338,4 +340,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JflCounterCallExecute, Execute,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // A probe for the loader: the library's ABI revision (bumped with any attribute change).
-extern "C" int JflCounterCallRevision() { return 1; }
+extern "C" int JflCounterCallRevision() { return 2; }
