@@ -6,8 +6,9 @@ buffer that must be zero-filled before every launch, a command-buffer node of it
 on H100, more than the whole launch at one row; benchmarks/results/zeros_ab_h100.txt). The
 handler in `_ffi/counter_call.cc` keeps one counter per call site and device in memory of its
 own, zeroed once; the kernel leaves it at zero again (its last program stores 0), so no fill
-is needed. Everything else is jaxlib's launch: the same PTX, grid, parameters and trailing
-scratch pointers, taken from the call jax-triton lowers (`decode_kernel_call`).
+is needed. Everything else is jaxlib's launch: the same PTX (made a cubin by Triton's ptxas,
+`machine_code`), grid, parameters and trailing scratch pointers, taken from the call
+jax-triton lowers (`decode_kernel_call`).
 
 The handler is built on first use on a CUDA GPU with the host's C++ compiler against jaxlib's
 FFI headers (`jax.ffi.include_dir()`), cached under $JFL_CACHE_DIR (default
