@@ -178,3 +178,49 @@ def test_auto_implementation_and_empty_batch():
     """None picks "triton" on a CUDA GPU and "xla" elsewhere; an empty batch gives 0."""
     assert _common.default_implementation() == ("triton" if HAS_GPU else "xla")
     assert float(jax_fusedloss.cross_entropy(jnp.zeros((0, 8)), jnp.zeros((0,), jnp.int32))) == 0
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch_ref"])
+def test_few_row_forward_is_one_launch_that_leaves_its_counter_at_zero(impl):
+    """Few rows: the partials launch merges each row in its last program (one launch, then the
+    gradient pass); its arrival counter (plan.Launch.counter) starts and ends at zero, with
+    loss, lse and gradient right, a bad label's row NaN and an ignored row 0."""
+    from jax_fusedloss.kernels import cross_entropy as ce_kernels
+    from jax_fusedloss.kernels import launch
+
+    n, vocab = 4, 5003
+    plan = ce_kernels.ce_fwd_plan(n, vocab, ignore_index=-100, smoothing=0.0, z_loss=1e-3,
+                                  softcap=None, num_sms=launch.DEFAULT_NUM_SMS, write_grad=True,
+                                  itemsize=4)
+    part, grad_launch = plan.launches
+    assert part.counter == 3 and part.constexprs["MERGE"] and part.grid[1] > 1
+    x = random_logits(31, (n, vocab), "float32")
+    y = jnp.asarray([3, vocab - 1, -100, vocab], jnp.int32)  # row 3: out of range
+    scale = jnp.ones((n,), jnp.float32)
+    names = ("loss", "lse", "grad", "sync")
+    if impl == "triton":
+        loss, lse, grad, sync = (to_numpy(o) for o in _triton_jax.run_plan(
+            plan, names, x=x, y=y, row_scale=scale))
+    else:
+        import torch
+
+        from torch_ref import _launch
+
+        device = "cuda" if HAS_GPU else "cpu"
+        t = {k: torch.from_numpy(np.array(to_numpy(v))).to(device)
+             for k, v in dict(x=x, y=y, row_scale=scale).items()}
+        loss, lse, grad, sync = (o.cpu().numpy() for o in _launch.run_plan(
+            plan._replace(results=names), **t))
+    np.testing.assert_array_equal(sync, np.zeros(n, np.int32))
+    ref_lse = to_numpy(jax.nn.logsumexp(x, axis=-1))
+    assert_close(lse, ref_lse, rtol=1e-6, what="lse")
+    xs = to_numpy(x)
+    for r in (0, 1):
+        want = ref_lse[r] - xs[r, int(y[r])] + 1e-3 * ref_lse[r] ** 2
+        assert_close(loss[r], want, rtol=1e-5, what=f"loss row {r}")
+        p = np.exp(xs[r] - ref_lse[r])
+        g = p * (1 + 2e-3 * ref_lse[r])
+        g[int(y[r])] -= 1
+        assert_close(grad[r], g, rtol=1e-4, atol=1e-6, what=f"grad row {r}")
+    assert loss[2] == 0 and np.all(grad[2] == 0)
+    assert np.isnan(loss[3])
