@@ -51,8 +51,7 @@ def _reductions(x, y):
     (_ce_value_and_grad, 512, 32000, jnp.bfloat16, False),   # one program per row, fused grad
     (_ce_value_and_grad, 264, 114689, jnp.float32, False),   # split fwd + grad (aliased counter)
     (_ce_value_and_grad, 264, 229384, jnp.bfloat16, False),  # the same keeping a tile, reg cap
-    (_ce_value_and_grad, 4, 50257, jnp.bfloat16, True),  # few rows: partials merged in one
-                                                         # launch (the counter launcher), grad
+    (_ce_value_and_grad, 4, 50257, jnp.bfloat16, False),     # few rows: partials + merge
     (_reductions, 8, 128256, jnp.bfloat16, True),   # split reductions, one launch: the counter
     (_reductions, 300, 50257, jnp.float16, False),           # launcher's kept counter
 ], ids=lambda p: getattr(p, "__name__", str(p)))

@@ -261,41 +261,18 @@ def ce_split_fused_kernel(
 
 
 @triton.jit
-def _ce_merge_row(row, part_ptr, labels_ptr, row_scale_ptr, V, ignore_index, smoothing, z_loss,
-                  loss_ptr, lse_ptr, coef_ptr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                  HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, CACHE: tl.constexpr):
-    """Merges a row's partials (max, sum, sum z, z[y]) into loss, lse and coefficients; CACHE
-    is the partials' load modifier (".cg" when programs of the same launch wrote them)."""
-    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)
-    m, s = merge_stats(load_field(base, valid, 0, True, CACHE),
-                       load_field(base, valid, 1, False, CACHE))
-    sumz = tl.sum(load_field(base, valid, 2, False, CACHE), axis=0)
-    zy = tl.sum(load_field(base, valid, 3, False, CACHE), axis=0)
-    _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
-                         smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr, HAS_SMOOTHING,
-                         HAS_ZLOSS)
-
-
-@triton.jit
 def ce_partial_kernel(
-    # pointers (row_scale and sync_in, int32 zeros [N] read only through its alias sync, are
-    # used with MERGE only)
-    logits_ptr, labels_ptr, row_scale_ptr, sync_in_ptr,
+    # pointers
+    logits_ptr, labels_ptr,
     # sizes, strides, options
-    V, stride_row, softcap, ignore_index, smoothing, z_loss,
-    # outputs: float32 [N, NUM_SPLITS, 4] = (max, sum, sum z, z[y] or 0); with MERGE the row's
-    # loss, lse, coef [N, COEF_FIELDS] (else 1-element dummies) and sync (aliases sync_in)
-    part_ptr, loss_ptr, lse_ptr, coef_ptr, sync_ptr,
+    V, stride_row, softcap,
+    # outputs: float32 [N, NUM_SPLITS, 4] = (max, sum, sum z, z[y] or 0)
+    part_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SMOOTHING: tl.constexpr, ALIGN: tl.constexpr, MERGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Split path, grid (N, NUM_SPLITS): partial statistics of one vocabulary slice. With
-    MERGE the last program of a row to finish (an acq_rel arrival count per row: the others'
-    partials are visible to it) merges the row's partials into loss, lse and coefficients and
-    sets the count back to zero (sync starts and ends at zero): few rows take one launch, not
-    partials + merge."""
+    """Split path, grid (N, NUM_SPLITS): partial statistics of one vocabulary slice."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -308,12 +285,29 @@ def ce_partial_kernel(
                                           softcap, 1.0, BLOCK_V, ALIGN, HAS_SOFTCAP,
                                           HAS_SMOOTHING, True, False, "", False, 0)
     store_partials(part_ptr, row, split, num_splits, m, s, sumz, zy)
-    if MERGE:
-        if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _ce_merge_row(row, part_ptr, labels_ptr, row_scale_ptr, V, ignore_index, smoothing,
-                          z_loss, loss_ptr, lse_ptr, coef_ptr, NUM_SPLITS, BLOCK_S,
-                          HAS_SMOOTHING, HAS_ZLOSS, ".cg")
-            tl.store(sync_ptr + row, 0)  # every program has arrived: zero for the next launch
+
+
+@triton.jit
+def ce_merge_kernel(
+    # pointers
+    part_ptr, labels_ptr, row_scale_ptr,
+    # sizes, options
+    V, ignore_index, smoothing, z_loss,
+    # outputs
+    loss_ptr, lse_ptr, coef_ptr,
+    # constexprs
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+    HAS_ZLOSS: tl.constexpr,
+):
+    """Split path, grid (N,): merges a row's partials into loss, lse and coefficients."""
+    row = tl.program_id(0).to(tl.int64)
+    base, valid = load_partials(part_ptr, row, NUM_SPLITS, BLOCK_S)  # (max, sum, sum z, z[y])
+    m, s = merge_stats(load_field(base, valid, 0, True, ""), load_field(base, valid, 1, False, ""))
+    sumz = tl.sum(load_field(base, valid, 2, False, ""), axis=0)
+    zy = tl.sum(load_field(base, valid, 3, False, ""), axis=0)
+    _ce_finish_and_store(row, m, s, zy, sumz, labels_ptr, row_scale_ptr, V, ignore_index,
+                         smoothing, z_loss, loss_ptr, lse_ptr, coef_ptr, HAS_SMOOTHING,
+                         HAS_ZLOSS)
 
 
 @triton.jit
@@ -398,25 +392,15 @@ def ce_bwd_launch(n: int, vocab: int, softcap, num_sms: int) -> Launch:
 
 
 def ce_partials_launch(n: int, vocab: int, softcap, smoothing: float, num_sms: int,
-                       splits_from_grad: bool = False, merge: tuple | None = None) -> Launch:
+                       splits_from_grad: bool = False) -> Launch:
     """x, y -> part [N, S, 4] = (max, sum exp, sum z, z[y] or 0) per vocabulary slice; y may
-    lie outside [0, V) (a label in another device's slice). With `merge` = (ignore_index,
-    z_loss, row outputs loss, lse, coef) each row's last program also merges them (inputs
-    x, y, row_scale): one launch for the few-row forward."""
+    lie outside [0, V) (a label in another device's slice)."""
     cfg = row_config(n, vocab, num_sms, write_grad=splits_from_grad)
-    ignore_index, z_loss = (merge[0], merge[1]) if merge else (-100, 0.0)
-    outs = tuple(merge[2]) if merge else tuple(placeholder(f"unused{i}") for i in range(3))
-    sync = Zeros((n,) if merge else (1,), "int32")
-    return Launch(ce_partial_kernel, (n, cfg.num_splits),
-                  ("x", "y", "row_scale" if merge else Zeros((1,), "float32"), sync),
-                  (vocab, vocab, float(softcap or 1.0), ignore_index, smoothing, z_loss),
-                  (Buf("part", (n, cfg.num_splits, 4), "float32"), *outs,
-                   Buf("sync", sync.shape, "int32")), cfg.num_warps,
+    return Launch(ce_partial_kernel, (n, cfg.num_splits), ("x", "y"),
+                  (vocab, vocab, float(softcap or 1.0)),
+                  (Buf("part", (n, cfg.num_splits, 4), "float32"),), cfg.num_warps,
                   dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                       MERGE=merge is not None, NUM_SPLITS=cfg.num_splits,
-                       BLOCK_S=merge_block(cfg.num_splits), HAS_ZLOSS=z_loss > 0,
-                       **_flags(softcap, smoothing)),
-                  aliases=((3, 4),), counter=3 if merge else None)
+                       **_flags(softcap, smoothing)))
 
 
 def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_loss: float,
@@ -426,8 +410,8 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     gradient scaled by row_scale, with write_grad). Many rows: one program per row, the
     gradient written in the same program; with write_grad and rows of long `itemsize`-byte
     logits (launch.split_fused_config), each row's slices in programs of one launch that
-    exchange their statistics. Few rows: partials per vocabulary slice merged by each row's
-    last program in the same launch, then the gradient pass.
+    exchange their statistics. Few rows: partials per vocabulary slice, a merge, then the
+    gradient pass.
 
     With write_grad and in_place the gradient overwrites x (aliased): for logits that are dead
     afterwards (linear_cross_entropy's chunks), never a caller's. Safe because every program
@@ -436,7 +420,7 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
     writing each tile after reading it; the one-launch split kernel writes a slice only after
     every program of its row has read its own (the exchange), and a row's last program writes
     an abandoned slice that nobody else writes; on the few-rows path the partials launch
-    (reads only x) runs before the gradient launch, which reads and writes its own slice tile
+    (reads only) runs before the gradient launch, which reads and writes its own slice tile
     by tile."""
     cfg = row_config(n, vocab, num_sms, write_grad, launch.keep_tiles(vocab, itemsize, softcap))
     alias = ((0, 3),) if write_grad and in_place else ()
@@ -463,11 +447,14 @@ def ce_fwd_plan(n: int, vocab: int, *, ignore_index: int, smoothing: float, z_lo
             dict(BLOCK_V=cfg.block_v, WRITE_GRAD=write_grad, PREFETCH=cfg.prefetch,
                  KEEP=cfg.keep, **flags),
             aliases=alias),), results)
-    part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad,
-                              merge=(ignore_index, z_loss, rows))
+    part = ce_partials_launch(n, vocab, softcap, smoothing, num_sms, write_grad)
+    merge = Launch(ce_merge_kernel, (n,), ("part", "y", "row_scale"),
+                   (vocab, ignore_index, smoothing, z_loss), rows, 1,
+                   dict(NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits),
+                        HAS_SMOOTHING=smoothing > 0, HAS_ZLOSS=z_loss > 0))
     grad = (ce_bwd_plan(n, vocab, softcap=softcap, num_sms=num_sms,
                         in_place=in_place).launches if write_grad else ())
-    return Plan((part,) + grad, results)
+    return Plan((part, merge) + grad, results)
 
 
 def ce_bwd_plan(n: int, vocab: int, *, softcap, num_sms: int, in_place: bool = False) -> Plan:
