@@ -38,7 +38,7 @@ import numpy as np
 
 TARGET = "jfl_counter_call"
 SOURCE = Path(__file__).parent / "_ffi" / "counter_call.cc"
-REVISION = 2  # JflCounterCallRevision() of the source
+REVISION = 3  # JflCounterCallRevision() of the source
 
 _site_ids = itertools.count(1)
 _site_lock = threading.Lock()

@@ -217,6 +217,23 @@ def test_temperature_and_entropy_through_the_launcher(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_more_sites_than_one_counter_slab():
+    """300 call sites in one program (more counters than one 64 KiB slab of the handler holds):
+    every call right, in two executions."""
+    x = random_logits(77, (300, 2, 8192), "float32")
+
+    def program(x):
+        return jnp.stack([jax_fusedloss.logsumexp(x[i]) for i in range(x.shape[0])])
+
+    fn = jax.jit(program)
+    text = fn.lower(x).compile().as_text()
+    assert text.count(f'custom_call_target="{_counter_call.TARGET}"') == 300
+    ref = to_numpy(jax.nn.logsumexp(x, axis=-1))
+    for _ in range(2):
+        assert_close(to_numpy(fn(x)), ref, rtol=1e-6, what="lse of 300 sites")
+
+
+@pytest.mark.gpu
 def test_scan_vmap_and_repeated_sites():
     """A call site inside a scan runs once per iteration on one counter; vmapped calls fold
     into rows; a program calls two different sites on the same input."""

@@ -4,8 +4,8 @@
 // arrives last on a per-row counter. Through jaxlib's Triton call the counter is an XLA buffer
 // that must be zero-filled before every launch: one more node in XLA's command buffer (~1.5 us
 // on H100), more than the whole launch costs at one row. Here the counter lives in device
-// memory owned by this library instead: one buffer per (call site, CUDA context), zeroed once
-// when allocated, and returned to zero by the kernel itself (its last program stores 0 after
+// memory owned by this library instead: one per (call site, CUDA context), carved from a zeroed
+// slab, and returned to zero by the kernel itself (its last program stores 0 after
 // the merge), so the next launch of that call site finds it at zero without any fill.
 //
 // Why that is safe: a call site is one custom call of one lowered program (an id drawn fresh
@@ -164,6 +164,40 @@ std::map<std::tuple<std::string, size_t, CUcontext>, CUfunction>& Functions() {
   return *fns;
 }
 
+// Counters are carved from zeroed slabs of device memory, one open slab per context: a site
+// needs a few hundred bytes, and a device allocation of its own each would round up to the
+// driver's allocation granularity for every call site of every compiled program.
+constexpr size_t kSlabBytes = 1 << 16;
+constexpr size_t kCounterAlign = 256;
+
+struct Slab {
+  CUdeviceptr base = 0;
+  size_t size = 0, used = 0;
+};
+
+std::map<CUcontext, Slab>& Slabs() {
+  static auto* slabs = new std::map<CUcontext, Slab>();
+  return *slabs;
+}
+
+// `bytes` of zeros in the current context `ctx` (caller holds Mutex()); never freed, never
+// handed out twice.
+CUresult CarveCounter(const Driver& cu, CUcontext ctx, size_t bytes, CUdeviceptr* out) {
+  bytes = (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
+  Slab& slab = Slabs()[ctx];
+  if (slab.base == 0 || slab.used + bytes > slab.size) {
+    Slab fresh;
+    fresh.size = bytes > kSlabBytes ? bytes : kSlabBytes;
+    CUresult r = cu.MemAlloc(&fresh.base, fresh.size);
+    if (r == 0) r = cu.MemsetD32(fresh.base, 0, fresh.size / 4);  // synchronous: zero first
+    if (r != 0) return r;
+    slab = fresh;
+  }
+  *out = slab.base + slab.used;
+  slab.used += bytes;
+  return 0;
+}
+
 ffi::Error LoadFunction(const Driver& cu, CUcontext ctx, const std::string& name,
                         std::string_view image, int64_t shared, CUfunction* out) {
   auto key = std::make_tuple(name, std::hash<std::string_view>()(image), ctx);
@@ -227,8 +261,7 @@ ffi::Error Initialize(CUstream stream, ffi::Dictionary attrs) {
   ffi::Error e = LoadFunction(cu, ctx, std::string(name), image, shared, &s.function);
   if (e.success()) {
     size_t bytes = static_cast<size_t>(words > 0 ? words : 1) * 4;
-    CUresult r = cu.MemAlloc(&s.counter, bytes);
-    if (r == 0) r = cu.MemsetD32(s.counter, 0, bytes / 4);  // synchronous: zero before use
+    CUresult r = CarveCounter(cu, ctx, bytes, &s.counter);
     if (r != 0) e = CudaError(cu, r, "counter allocation");
   }
   CUcontext popped = nullptr;
@@ -340,4 +373,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JflCounterCallExecute, Execute,
                               {ffi::Traits::kCmdBufferCompatible});
 
 // A probe for the loader: the library's ABI revision (bumped with any attribute change).
-extern "C" int JflCounterCallRevision() { return 2; }
+extern "C" int JflCounterCallRevision() { return 3; }
