@@ -4,10 +4,11 @@ counter in memory of its own instead of a buffer XLA zero-fills before every lau
 
 CPU: the handler builds against the installed jaxlib's FFI headers; jaxlib's kernel-call
 proto decodes into the handler's parameter list (counter operand and result dropped, indices
-shifted); calls the handler cannot launch are refused. GPU: every call of a jitted program of
-many few-row calls (chained, in a scan, vmapped, several call sites) equals the zero-filled
-path bit for bit and the float64 reference, and the compiled program really launches through
-the handler without a zero fill."""
+shifted); calls the handler cannot launch are refused; Triton's ptxas makes the cubin; the
+fallback warns. GPU: every call of a jitted program of many few-row calls (chained, in a scan,
+vmapped, several call sites, 300 sites, T != 1) equals the zero-filled path bit for bit and
+the float32 formulas, and the compiled program really launches through the handler without a
+zero fill; rows sharded over several GPUs (needs 2)."""
 from __future__ import annotations
 
 import ctypes
