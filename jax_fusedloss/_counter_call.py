@@ -65,9 +65,11 @@ def cache_dir() -> Path:
 
 
 def compiler() -> str | None:
+    """The C++ compiler: $CXX, else the first of c++, g++, clang++ on PATH."""
     for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 
@@ -80,9 +82,9 @@ def build(include_dir: str | None = None, out_dir: Path | None = None) -> Path:
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
-    header = Path(include_dir) / "xla" / "ffi" / "api" / "c_api.h"
-    digest = hashlib.sha256(SOURCE.read_bytes() + header.read_bytes()
-                            + cxx.encode()).hexdigest()[:16]
+    api = Path(include_dir) / "xla" / "ffi" / "api"
+    headers = b"".join((api / h).read_bytes() for h in ("c_api.h", "api.h", "ffi.h"))
+    digest = hashlib.sha256(SOURCE.read_bytes() + headers + cxx.encode()).hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     lib = out_dir / f"counter_call-{digest}.so"
     if lib.exists():
@@ -223,13 +225,15 @@ def decode_kernel_call(opaque: bytes) -> dict[str, Any]:
 _IMAGES: dict[tuple[str, int], bytes] = {}
 
 
-def machine_code(ptx: str, capability: int, backend) -> bytes:
+def machine_code(ptx: str, capability: int, make_backend) -> bytes:
     """The cubin of `ptx` for `capability` from Triton's ptxas (what Triton builds for
     PyTorch; jaxlib compiles PTX with its own compiler too, never the driver), cached per
-    process; the PTX itself where that fails, for the driver to compile."""
+    process; the PTX itself where that fails, for the driver to compile. `make_backend()`
+    gives Triton's CUDA backend, made only on a cache miss."""
     key = (ptx, capability)
     if key not in _IMAGES:
         try:
+            backend = make_backend()
             _IMAGES[key] = bytes(backend.make_cubin(ptx, {}, backend.parse_options({}),
                                                     capability))
         except Exception as e:  # noqa: BLE001 - the driver can still compile the PTX

@@ -239,7 +239,7 @@ def _counter_lowering(ctx, args, opaque: bytes, aliases: dict[int, int], spec: s
     except ValueError:
         return None
     call["image"] = _counter_call.machine_code(call["ptx"], call["capability"],
-                                               init(0, call["capability"]))
+                                               lambda: init(0, call["capability"]))
     attrs = _counter_call.handler_attributes(call, len(args), (c_in, c_out), words)
     kept = [i for i in range(len(args)) if i != c_in]
     kept_out = [o for o in range(len(ctx.avals_out)) if o != c_out]

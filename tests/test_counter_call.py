@@ -330,8 +330,8 @@ def test_machine_code_is_tritons_cubin_and_falls_back_to_ptx():
     """The handler gets a cubin from Triton's ptxas (not PTX for the driver to compile, which a
     driver older than Triton's PTX would refuse); PTX ptxas rejects goes through as PTX, with
     a warning."""
-    image = _counter_call.machine_code(_TINY_PTX, 90, _cuda_backend())
+    image = _counter_call.machine_code(_TINY_PTX, 90, _cuda_backend)
     assert image[:4] == b"\x7fELF"
     broken = _TINY_PTX.replace("ret;", "not_an_instruction;")
     with pytest.warns(RuntimeWarning, match="ptxas failed"):
-        assert _counter_call.machine_code(broken, 90, _cuda_backend()) == broken.encode()
+        assert _counter_call.machine_code(broken, 90, _cuda_backend) == broken.encode()

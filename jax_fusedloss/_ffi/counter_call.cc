@@ -230,13 +230,8 @@ ffi::Error LoadFunction(const Driver& cu, CUcontext ctx, const std::string& name
   return ffi::Error::Success();
 }
 
-template <typename T>
-ffi::ErrorOr<T> Get(const ffi::Dictionary& attrs, const char* key) {
-  return attrs.get<T>(key);
-}
-
 #define JFL_ATTR(var, type, key)                              \
-  auto var##_or = Get<type>(attrs, key);                      \
+  auto var##_or = attrs.get<type>(key);                       \
   if (var##_or.has_error()) return var##_or.error();          \
   type var = *var##_or
 
