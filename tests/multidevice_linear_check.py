@@ -43,25 +43,30 @@ SHARD_MAP_LAYOUTS = {False: _ALL[:3], True: (("data", None), ("data", "model"))}
 def cases():
     """name -> (layout, with bias, loss(h, w, b, aux, impl, vocab_axis, reduction))."""
 
-    def fused(layout):  # the gradients come from the forward ("mean"/"sum")
+    def fused(layout, mode="fast"):  # "fast"/"low_precision": the gradients in the forward
         def loss(h, w, b, a, impl, va, red):
             return jfl.linear_cross_entropy(
                 h, w, a[0], bias=b, weight_layout=layout, reduction=red, label_smoothing=0.1,
-                z_loss=1e-3, chunk_size=CHUNK, implementation=impl, vocab_axis=va)
+                z_loss=1e-3, chunk_size=CHUNK, implementation=impl, vocab_axis=va, mode=mode)
         return loss
 
-    def recompute(layout):  # per-token cotangents and a differentiable lse: the backward loop
+    def recompute(layout, mode="fast"):  # per-token cotangents and a differentiable lse
         def loss(h, w, b, a, impl, va, red):
             per_token, lse = jfl.linear_cross_entropy(
                 h, w, a[0], bias=b, weight_layout=layout, reduction="none", return_lse=True,
-                logit_softcap=5.0, chunk_size=CHUNK, implementation=impl, vocab_axis=va)
+                logit_softcap=5.0, chunk_size=CHUNK, implementation=impl, vocab_axis=va,
+                mode=mode)
             return jnp.sum(per_token * a[1]) + 0.1 * jnp.sum(lse * a[2])
         return loss
 
     return {"dv_bias_fused": ("dv", True, fused("dv")),
             "vd_fused": ("vd", False, fused("vd")),
             "vd_bias_recompute": ("vd", True, recompute("vd")),
-            "dv_recompute": ("dv", False, recompute("dv"))}
+            "dv_recompute": ("dv", False, recompute("dv")),
+            # "lean": the vocabulary walk in the backward (per-device slices, global stats)
+            "vd_bias_lean": ("vd", True, fused("vd", "lean")),
+            "dv_lean_recompute": ("dv", False, recompute("dv", "lean")),
+            "dv_low_precision": ("dv", True, fused("dv", "low_precision"))}
 
 
 def inputs(layout: str):

@@ -80,13 +80,14 @@ def lce_reference_torch(h, w, y, b=None, *, weight_layout="dv", **o):
 D, V = 24, 97  # V: prime, below and not a multiple of any block; D not a multiple of 8
 
 
-def make_inputs(seed, lead, layout, with_bias, dtype="float32", frac_ignored=0.3, ignore=-100):
+def make_inputs(seed, lead, layout, with_bias, dtype="float32", frac_ignored=0.3, ignore=-100,
+                vocab=V):
     k = jax.random.split(jax.random.key(seed), 3)
     h = jax.random.normal(k[0], lead + (D,), jnp.float32)
-    w = jax.random.normal(k[1], (D, V) if layout == "dv" else (V, D), jnp.float32) * 0.4
-    b = jax.random.normal(k[2], (V,), jnp.float32) if with_bias else None
+    w = jax.random.normal(k[1], (D, vocab) if layout == "dv" else (vocab, D), jnp.float32) * 0.4
+    b = jax.random.normal(k[2], (vocab,), jnp.float32) if with_bias else None
     rng = np.random.default_rng(seed)
-    y = rng.integers(0, V, size=lead)
+    y = rng.integers(0, vocab, size=lead)
     y[rng.random(lead) < frac_ignored] = ignore
     cast = (lambda a: a.astype(dtype))
     return cast(h), cast(w), None if b is None else cast(b), jnp.asarray(y, jnp.int32)
@@ -114,7 +115,7 @@ def run_jax(impl, h, w, b, y, wl, wlse, **o):
 
 
 def ref_jax(h, w, b, y, wl, wlse, **o):
-    o = {k: v for k, v in o.items() if k not in ("chunk_size", "accumulation")}
+    o = {k: v for k, v in o.items() if k not in ("chunk_size", "mode")}
     with jax.enable_x64(True):
         f64 = (lambda a: None if a is None else jnp.asarray(np.asarray(to_numpy(a), np.float64)))
 
@@ -130,9 +131,8 @@ def ref_jax(h, w, b, y, wl, wlse, **o):
 
 
 def run_torch(h, w, b, y, wl, wlse, fn, dtype=None, **o):
-    o = {k: v for k, v in o.items() if k != "accumulation"}
     if fn is lce_reference_torch:
-        o.pop("chunk_size", None)
+        o = {k: v for k, v in o.items() if k not in ("chunk_size", "mode")}
     ts = [None if a is None else to_torch(a) for a in (h, w, b)]
     if dtype is not None:
         ts = [None if t is None else t.to(dtype) for t in ts]
@@ -164,7 +164,11 @@ CASES = {
                              dict(label_smoothing=0.2, z_loss=1e-3, logit_softcap=5.0,
                                   ignore_index=-1, return_lse=True)),
     "dv-none-lse": ("dv", False, (21,), 7, dict(reduction="none", return_lse=True)),
-    "vd-input-accumulation": ("vd", True, (21,), 4, dict(accumulation="input")),
+    "vd-low-precision": ("vd", True, (21,), 4, dict(mode="low_precision")),
+    "dv-lean-bias-smoothing": ("dv", True, (21,), 3, dict(mode="lean", label_smoothing=0.1)),
+    "vd-lean-combined-none-lse": ("vd", True, (3, 7), 2,
+                                  dict(mode="lean", z_loss=1e-3, logit_softcap=5.0,
+                                       reduction="none", return_lse=True)),
 }
 
 
@@ -204,6 +208,97 @@ def test_torch_ref_matches_torch_autograd(name):
     got = run_torch(*args, fn=torch_ref.linear_cross_entropy, **o)
     want = run_torch(*args, fn=lce_reference_torch, dtype=torch.float64, **o)
     _compare(got, want, 2e-5, 2e-5, f"torch_ref {name}")
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
+@pytest.mark.parametrize("layout, reduction", [("dv", "mean"), ("vd", "none")])
+def test_lean_vocabulary_blocks(impl, layout, reduction):
+    """mode="lean" walks blocks of vocabulary columns in the backward: V=300 with chunk_size=2
+    and 21 tokens gives blocks of 128, 128 and a ragged 44 columns, each over row chunks of 4
+    tokens (kernels.linear_ce.vocab_block), so every dW column block, the block seams and the
+    float32 block accumulator are checked against float64 autodiff."""
+    from jax_fusedloss.kernels.linear_ce import vocab_block
+
+    assert vocab_block(21, 300, 2) == (128, 4)
+    h, w, b, y = make_inputs(4, (21,), layout, True, vocab=300)
+    wl, _ = objective_weights(4, (21,), reduction, False)
+    o = dict(weight_layout=layout, reduction=reduction, chunk_size=2, mode="lean",
+             label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
+    args = (h, w, b, y, wl, None)
+    if impl == "torch_ref":
+        got = run_torch(*args, fn=torch_ref.linear_cross_entropy, **o)
+    else:
+        got = run_jax(impl, *args, **o)
+    want = ref_jax(*args, **o)
+    _compare(got, want, 2e-5, 2e-5, f"{impl} lean")
+    dw, rdw = to_numpy(got[2][1]).astype(np.float64), want[2][1]
+    cols = dw.reshape(-1, 300) if layout == "dv" else dw.T
+    rcols = rdw.reshape(-1, 300) if layout == "dv" else rdw.T
+    for c0 in (0, 128, 256):  # each block of dW on its own
+        blk = slice(c0, c0 + 128)
+        assert_close(cols[:, blk], rcols[:, blk], rtol=2e-5,
+                     atol=2e-5 * np.abs(rcols).max(), what=f"{impl} dW block at {c0}")
+
+
+@pytest.mark.parametrize("mode", ["fast", "low_precision", "lean"])
+@pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
+def test_float16_loss_scale_flushes_nothing(impl, mode):
+    """float16 under a loss scale: the gradients are computed with the cotangent folded in,
+    so an entry below float16's subnormals for a unit cotangent survives the scale. N=1, D=1,
+    V=2, logits (0, -20): dL/dW[0, 1] = p_1 = 2.06e-9 (flushed to 0 in float16), times 65536 =
+    1.35e-4. Before the fix every mode returned dW = 0 there."""
+    h = jnp.ones((1, 1), jnp.float16)
+    w = jnp.asarray([[0.0, -20.0]], jnp.float16)
+    y = jnp.zeros((1,), jnp.int32)
+    scale = 65536.0
+    p1 = np.exp(-20.0) / (1.0 + np.exp(-20.0))
+    if impl == "torch_ref":
+        ht, wt = (to_torch(a).requires_grad_(True) for a in (h, w))
+        (torch_ref.linear_cross_entropy(ht, wt, torch.zeros(1, dtype=torch.long), mode=mode)
+         * scale).backward()
+        dw = to_numpy(wt.grad)
+    else:
+        dw = jax.jit(jax.grad(lambda w: scale * jax_fusedloss.linear_cross_entropy(
+            h, w, y, mode=mode, implementation=impl)))(w)
+        assert dw.dtype == jnp.float16
+    got = float(np.asarray(dw, np.float64)[0, 1])
+    assert abs(got - scale * p1) <= 2e-3 * scale * p1, f"{impl} {mode}: dW[0,1]={got}, " \
+        f"expected {scale * p1:.4g}"
+
+
+@pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
+def test_empty_batch_with_nonfinite_weight(impl):
+    """N=0: the loss is +0.0 whatever the weight holds (an inf or NaN entry used to make it
+    NaN, and a finite weight -0.0), and the gradients are zeros."""
+    h = jnp.zeros((0, D), jnp.float32)
+    w = jnp.ones((D, V), jnp.float32).at[3, 5].set(jnp.inf).at[4, 6].set(jnp.nan)
+    y = jnp.zeros((0,), jnp.int32)
+    if impl == "torch_ref":
+        ht, wt = (to_torch(a).requires_grad_(True) for a in (h, w))
+        loss = torch_ref.linear_cross_entropy(ht, wt, torch.zeros(0, dtype=torch.long))
+        loss.backward()
+        loss, dw = float(loss), to_numpy(wt.grad)
+    else:
+        loss, dw = jax.value_and_grad(lambda w: jax_fusedloss.linear_cross_entropy(
+            h, w, y, implementation=impl), 0)(w)
+        loss, dw = float(loss), np.asarray(dw)
+    assert loss == 0.0 and np.copysign(1.0, loss) == 1.0, loss
+    assert not np.any(dw), "an empty batch has zero gradients"
+
+
+@pytest.mark.parametrize("mode", ["fast", "lean"])
+def test_second_order_raises_the_library_message(mode):
+    """jax.hessian / grad of grad: the library's NotImplementedError, not JAX's message about
+    custom_partitioning."""
+    h, w, _, y = make_inputs(0, (5,), "dv", False)
+
+    def f(h):
+        return jax_fusedloss.linear_cross_entropy(h, w, y, mode=mode, implementation="xla")
+
+    with pytest.raises(NotImplementedError, match="second-order"):
+        jax.hessian(f)(h)
+    with pytest.raises(NotImplementedError, match="second-order"):
+        jax.grad(lambda h: jnp.sum(jax.grad(f)(h)))(h)
 
 
 @pytest.mark.parametrize("impl", ["triton", "xla", "torch_ref"])
@@ -259,16 +354,29 @@ def test_vmap_and_scan():
 
 def test_default_chunk_size():
     """128 MiB of chunk logits (the gradient overwrites them), but at least 512 rows per byte
-    of dW's accumulator for 16-bit logits; powers of two, at most N."""
-    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "input") == 1024
-    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "float32") == 2048
-    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16, "input") == 1024  # the floor
-    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "input") == 2048  # the budget
-    assert default_chunk_size(8192, 128256, 4096, jnp.float32, "float32") == 256  # no floor
+    of dW's accumulator for 16-bit logits in the modes that update dW per chunk; powers of
+    two, at most N. The lean backward's vocabulary blocks hold as many logits."""
+    from jax_fusedloss.kernels.linear_ce import vocab_block
+
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "low_precision") == 1024
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "fast") == 2048
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "lean") == 512  # the budget
+    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16, "low_precision") == 1024
+    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "low_precision") == 2048
+    assert default_chunk_size(8192, 128256, 4096, jnp.float32, "fast") == 256  # no floor
     assert default_chunk_size(100, 128256, 4096, jnp.bfloat16) == 100
     assert default_chunk_size(5, 10**9, 64, jnp.float32) == 1
-    assert lce_torch.default_chunk_size(8192, 128256, torch.bfloat16) == 2048  # float32 dW
+    assert lce_torch.default_chunk_size(8192, 128256, torch.bfloat16) == 2048  # "fast"
+    assert lce_torch.default_chunk_size(8192, 128256, torch.bfloat16, "lean") == 512
     assert 512 * 128256 * 2 <= CHUNK_BUDGET_BYTES < 1024 * 128256 * 2
+    # lean blocks: all 8192 tokens at once, 7936 columns (17 blocks); N=32768: square-ish
+    # blocks, 8064 columns by row chunks of 8143 tokens; a vocabulary that fits: one block
+    assert vocab_block(8192, 128256, 512) == (7936, 8192)
+    assert vocab_block(32768, 128256, 512) == (8064, 8143)
+    assert vocab_block(21, 97, 8) == (97, 8)  # the whole vocabulary, 8 tokens at a time
+    for n, v, c in ((8192, 128256, 512), (32768, 128256, 512), (21, 300, 2), (1, 5, 1)):
+        cols, rows = vocab_block(n, v, c)
+        assert 1 <= cols <= v and 1 <= rows <= n and (cols * rows <= c * v or cols == v)
 
 
 # ----------------------------------------------------------------------------- in place
@@ -382,7 +490,8 @@ def test_public_cross_entropy_never_aliases_the_callers_logits(monkeypatch):
     (dict(chunk_size=2.5), "chunk_size"),
     (dict(reduction="avg"), "reduction"),
     (dict(label_smoothing=1.5), "label_smoothing"),
-    (dict(accumulation="bf16"), "accumulation"),
+    (dict(mode="bf16"), "mode"),
+    (dict(return_lse="no"), "return_lse"),
 ])
 def test_validation_names_the_argument(bad, match):
     h, w, b, y = make_inputs(0, (21,), "dv", True)

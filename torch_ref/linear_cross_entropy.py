@@ -1,12 +1,13 @@
-"""Fused linear cross-entropy from PyTorch: token chunks, torch matmuls, the same CE kernels;
-each chunk's logits gradient is written in place over the chunk's logits."""
+"""Fused linear cross-entropy from PyTorch: the walks and memory modes of jax_fusedloss's
+LM-head skeleton (jax_fusedloss/_lm_head.py) with torch matmuls and the same CE kernels; each
+chunk's logits gradient is written in place over the chunk's logits."""
 from __future__ import annotations
 
 import torch
 
 from jax_fusedloss import _validate
 from jax_fusedloss.kernels import cross_entropy as _ce_plans
-from jax_fusedloss.kernels.linear_ce import chunk_rows
+from jax_fusedloss.kernels.linear_ce import chunk_rows, vocab_block
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
 
@@ -15,10 +16,14 @@ from torch_ref._checks import no_double_backward
 _IN_PLACE = True
 
 
-def default_chunk_size(n: int, vocab: int, dtype: torch.dtype) -> int:
-    """Tokens per chunk (dW accumulates in float32 here): see
-    jax_fusedloss.linear_cross_entropy.default_chunk_size and kernels/linear_ce.py."""
-    return chunk_rows(n, vocab, torch.empty((), dtype=dtype).element_size(), 4)
+MODES = ("fast", "lean", "low_precision")
+
+
+def default_chunk_size(n: int, vocab: int, dtype: torch.dtype, mode: str = "fast") -> int:
+    """Tokens per chunk: see jax_fusedloss.linear_cross_entropy.default_chunk_size and
+    kernels/linear_ce.py."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return chunk_rows(n, vocab, itemsize, {"fast": 4, "low_precision": itemsize, "lean": 0}[mode])
 
 
 def _chunk_fwd(z, y, row_scale, o, write_grad):
@@ -58,19 +63,60 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(h, w, g, layout, dh, dw, db, start):
-    """dH rows of this chunk, and dW, db (float32) += this chunk's contributions."""
+    """dH rows of this chunk, and dW (float32, or W's dtype: "low_precision"), db (float32) +=
+    this chunk's contributions."""
     if dh is not None:
         dh[start:start + h.shape[0]] = g @ (w.t() if layout == "dv" else w)
     if dw is not None:
-        dw.add_(_mm_f32(h.t(), g) if layout == "dv" else _mm_f32(g.t(), h))
+        a, b = (h.t(), g) if layout == "dv" else (g.t(), h)
+        if dw.dtype == torch.float32:
+            dw.add_(_mm_f32(a, b))
+        else:  # one GEMM with beta = 1 on CUDA: float32 arithmetic, rounded into dW's dtype
+            dw.addmm_(a, b)
     if db is not None:
         db.add_(g.float().sum(0))
+
+
+def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
+    """The lean backward (jax_fusedloss._lm_head._vocab_walk): blocks of vocabulary columns
+    over all tokens (or row chunks of them), dW's block written once, dH summed in float32."""
+    n = h.shape[0]
+    vocab = w.shape[1] if layout == "dv" else w.shape[0]
+    cols, rows = vocab_block(n, vocab, chunk)
+    f32 = dict(dtype=torch.float32, device=h.device)
+    dh = torch.zeros(h.shape, **f32) if needs[0] else None
+    dw = torch.empty_like(w) if needs[1] else None
+    db = torch.empty(vocab, **f32) if b is not None and needs[2] else None
+    for c0 in range(0, vocab, cols):
+        c1 = min(c0 + cols, vocab)
+        wb = w[:, c0:c1] if layout == "dv" else w[c0:c1]
+        bb = None if b is None else b[c0:c1]
+        dwb = torch.zeros(wb.shape, **f32) if dw is not None else None
+        dbb = torch.zeros(c1 - c0, **f32) if db is not None else None
+        for r0 in range(0, n, rows):
+            hc = h[r0:r0 + rows]
+            sl = slice(r0, r0 + hc.shape[0])
+            z = _logits(hc, wb, bb, layout).contiguous()
+            g = _chunk_bwd(z, (y[sl] - c0).contiguous(), lse[sl], coef[sl].contiguous(),
+                           softcap)
+            if dh is not None:
+                dh[sl] += _mm_f32(g, wb.t() if layout == "dv" else wb)
+            if dwb is not None:
+                dwb += _mm_f32(hc.t(), g) if layout == "dv" else _mm_f32(g.t(), hc)
+            if dbb is not None:
+                dbb += g.float().sum(0)
+            del z, g
+        if dw is not None:
+            (dw[:, c0:c1] if layout == "dv" else dw[c0:c1]).copy_(dwb)
+        if db is not None:
+            db[c0:c1] = dbb
+    return dh, dw, db
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
-                smoothing, z_loss, softcap, return_lse):
+                smoothing, z_loss, softcap, return_lse, mode):
         dim = hidden.shape[-1]
         vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
         h = hidden.reshape(-1, dim).contiguous()
@@ -80,13 +126,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                  else torch.ones((), device=h.device))
         row_scale = (1.0 / denom).expand(n).contiguous()
         needs = ctx.needs_input_grad
-        recompute = reduction == "none" or return_lse
+        # as in jax_fusedloss._lm_head.fuses_grad: per-token cotangents, float16 (a gradient for
+        # a unit cotangent would flush what a loss scale saves) and "lean" recompute
+        recompute = (reduction == "none" or return_lse or mode == "lean"
+                     or hidden.dtype == torch.float16)
         write_grad = any(needs[:3]) and not recompute
         f32 = dict(dtype=torch.float32, device=h.device)
         loss_rows, lse, coef = (torch.empty(n, **f32), torch.empty(n, **f32),
                                 torch.empty(n, _ce_plans.COEF_FIELDS.value, **f32))
         dh = torch.empty_like(h) if write_grad and needs[0] else None
-        dw = torch.zeros(weight.shape, **f32) if write_grad and needs[1] else None
+        dw_dtype = torch.float32 if mode == "fast" else weight.dtype
+        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=h.device) if (
+            write_grad and needs[1]) else None
         db = torch.zeros(vocab, **f32) if write_grad and bias is not None and needs[2] else None
         for start in range(0, n, chunk):
             hc = h[start:start + chunk]
@@ -98,7 +149,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 _accumulate(hc, weight, g, layout, dh, dw, db, start)
             del z, g
         ctx.layout, ctx.chunk, ctx.softcap, ctx.recompute = layout, chunk, softcap, recompute
-        ctx.reduction, ctx.hidden_shape = reduction, hidden.shape
+        ctx.reduction, ctx.hidden_shape, ctx.mode = reduction, hidden.shape, mode
         ctx.has_bias = bias is not None
         if recompute:
             ctx.save_for_backward(h, weight, bias, y, lse, coef)
@@ -112,13 +163,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_lse):
         no_double_backward("linear_cross_entropy")
-        tail = (None,) * 9
+        tail = (None,) * 10
         if not ctx.recompute:
             dh, dw, db = ctx.saved_tensors
             scale = g_loss.float()
 
-            def scaled(t):
-                return None if t is None else (t.float() * scale).to(t.dtype)
+            def scaled(t):  # in place: the saved gradient becomes the returned one
+                return None if t is None else t.mul_(scale)
 
             dh = scaled(dh)
             return ((None if dh is None else dh.reshape(ctx.hidden_shape)), scaled(dw),
@@ -129,9 +180,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
         coef = coef * cot[:, None]
         coef[:, 0] += g_lse.reshape(-1).float()
+        if ctx.mode == "lean":
+            dh, dw, db = _vocab_walk(h, weight, bias, y, lse, coef, ctx.layout, ctx.chunk,
+                                     ctx.softcap, needs)
+            return (None if dh is None else dh.to(h.dtype).reshape(ctx.hidden_shape), dw,
+                    None if db is None else db.to(bias.dtype), *tail)
         f32 = dict(dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if needs[0] else None
-        dw = torch.zeros(weight.shape, **f32) if needs[1] else None
+        dw_dtype = torch.float32 if ctx.mode == "fast" else weight.dtype
+        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=h.device) if needs[1] else None
         db = torch.zeros(bias.shape, **f32) if bias is not None and needs[2] else None
         for start in range(0, n, ctx.chunk):
             hc = h[start:start + ctx.chunk]
@@ -150,11 +207,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float | None = None, return_lse: bool = False,
-                         chunk_size: int | None = None):
+                         mode: str = "fast", chunk_size: int | None = None):
     """`jax_fusedloss.linear_cross_entropy` from PyTorch (see its docs): token chunks, torch
     matmuls, the same Triton cross-entropy kernels; gradients computed in the forward (scaled
-    in the backward), recomputed in the backward for reduction="none" or return_lse. First-order
-    only (backward with create_graph=True raises)."""
+    in the backward), recomputed in the backward for reduction="none", return_lse, float16 and
+    mode="lean" (the vocabulary walk). `mode` as in jax_fusedloss. First-order only (backward
+    with create_graph=True raises)."""
     _checks.check_logits(hidden, "hidden")
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
@@ -166,21 +224,23 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         _checks.check_logits(bias, "bias")
         _validate.check_shape_equal("bias", tuple(bias.shape), "(V,)", (vocab,))
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
+    _checks.check_choice(mode, "mode", MODES)
     smoothing, z_loss, logit_softcap = _checks.check_ce_options(label_smoothing, z_loss,
                                                                 logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     n = labels.numel()
     if chunk_size is None:
-        chunk = default_chunk_size(n, vocab, hidden.dtype)
+        chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
     else:
         chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
-    if n == 0:
-        zero = 0.0 * (hidden.sum() + weight.sum()).float()
+    if n == 0:  # 0.0 whatever the weight holds (inf/NaN), as cross_entropy; gradients zero
+        zero = (hidden.sum() + weight.sum()).float() * 0.0
+        zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()
         loss = hidden.new_zeros(labels.shape, dtype=torch.float32) + zero if (
             reduction == "none") else zero
         return (loss, hidden.new_zeros(labels.shape, dtype=torch.float32)) if return_lse \
             else loss
     loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, labels, weight_layout, chunk,
                                           ignore_index, reduction, smoothing, z_loss,
-                                          logit_softcap, bool(return_lse))
+                                          logit_softcap, bool(return_lse), mode)
     return (loss, lse) if return_lse else loss

@@ -1,6 +1,7 @@
-"""Fused linear cross-entropy's launch heuristic: tokens per chunk. The op has no kernel of its
-own (the frameworks' matmuls plus the cross-entropy kernels), so this file holds only the chunk
-size, framework-free so that jax_fusedloss and torch_ref share it. Imports nothing.
+"""The LM head's launch heuristics: tokens per chunk, vocabulary columns per block. The head
+has no kernel of its own (the frameworks' matmuls plus the logits ops' kernels), so this file
+holds only the walk sizes, framework-free so that jax_fusedloss and torch_ref share them.
+Imports only the standard library.
 
 Per chunk of C tokens: logits `[C, V]` (the cross-entropy kernel overwrites them with their
 gradient in place), `dH_chunk = g W^T` and `dW += h_chunk^T g`. Two costs pull C apart:
@@ -11,6 +12,8 @@ gradient in place), `dH_chunk = g W^T` and `dW += h_chunk^T g`. Two costs pull C
   is memory-bound and every extra chunk adds ~`2 * D * V * s / 3e12` s (0.7 ms for a bf16
   dW at D=4096, V=128256).
 """
+
+import math
 
 # The default chunk's logits stay within this many bytes (`chunk_size=` overrides it per call):
 # 128 MiB is 512 rows at V=128256 in bf16 ...
@@ -34,7 +37,8 @@ def chunk_rows(n: int, vocab: int, itemsize: int, dw_itemsize: int) -> int:
     ragged tail) and keep the matmuls' M dimension tile-aligned.
 
     `itemsize`: the logits' (hidden/weight dtype); `dw_itemsize`: dW's accumulator's (2 for
-    accumulation="input" of a bf16 weight, 4 for "float32").
+    mode "low_precision" with a bf16 weight, 4 for "fast", 0 for "lean", whose forward updates
+    no dW).
     """
     rows = max(1, CHUNK_BUDGET_BYTES // (vocab * itemsize))
     if itemsize == 2:
@@ -45,3 +49,32 @@ def chunk_rows(n: int, vocab: int, itemsize: int, dw_itemsize: int) -> int:
     while chunk * 2 <= rows:
         chunk *= 2
     return chunk
+
+
+# The lean backward's vocabulary blocks (see vocab_block): at least this many columns per
+# block when all tokens fit (below it the block's dW GEMM is thin and dH's float32 read-modify-
+# write, N * D * 8 bytes per block, repeats too often) ...
+MIN_BLOCK_COLS = 4096
+# ... and the columns are a multiple of this (a GEMM tile).
+BLOCK_COL_ALIGN = 128
+
+
+def vocab_block(n: int, vocab: int, chunk: int) -> tuple[int, int]:
+    """(columns per block, tokens per row chunk) of the lean backward's vocabulary walk, whose
+    logits block holds at most `chunk * vocab` elements, as the token walk's chunk does.
+
+    Two costs, for the same logits budget B = chunk * vocab: dH's float32 accumulator is read
+    and written once per block (N * D * 8 bytes, V / cols times) and, when the tokens do not
+    fit one block, each block's float32 dW accumulator once per row chunk (D * cols * 8 bytes,
+    N / rows times). All tokens at once (rows = N) when that leaves at least MIN_BLOCK_COLS
+    columns (N=8192, V=128256, chunk 512: 7936 columns, 17 blocks); else square blocks
+    (rows ~ cols ~ sqrt(B)), which minimise the sum of the two."""
+    budget = max(chunk, 1) * vocab
+    cols = budget // max(n, 1)
+    if cols >= vocab:
+        return vocab, max(n, 1)
+    if cols >= MIN_BLOCK_COLS:
+        return cols - cols % BLOCK_COL_ALIGN, max(n, 1)
+    side = math.isqrt(budget)
+    cols = min(vocab, max(BLOCK_COL_ALIGN, side - side % BLOCK_COL_ALIGN))
+    return cols, max(1, min(n, budget // cols))

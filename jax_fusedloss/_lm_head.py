@@ -1,0 +1,378 @@
+"""The LM-head skeleton: losses of the logits `hidden @ weight (+ bias)` that never keep them.
+
+A hidden-state op (`linear_cross_entropy`, and the RL / distillation forms that grow on it)
+supplies a `HeadOp`: its options and a few hooks naming the row functions of its logits op (the
+same `fwd` / `fwd_grad` / `bwd` row functions, with their vocabulary-parallel forms, that the
+logits op runs through `_op`). Everything else is written once here:
+
+- **The walks.** The *token walk* (`_token_walk`) takes `C` tokens at a time: a chunk's logits
+  `[C, V]` by XLA's matmul, the row function, then (roles with gradients) `dH_chunk = g W^T`
+  and `dW += h_chunk^T g`, `db += sum_rows(g)`. The *vocabulary walk* (`_vocab_walk`, the
+  backward of the "lean" mode) takes `B` vocabulary columns at a time over all tokens (or
+  row chunks of them): the block's logits, its gradient from the forward's per-row statistics
+  (the row function's backward on labels shifted by the block's first column, as a vocabulary
+  slice of a sharded head), `dW[:, block] = h^T g` written once (a full-K matmul: float32
+  accumulation inside the GEMM, one rounding), `dH += g W_block^T` in float32.
+- **The memory modes** (`MODES`), one knob named for what the user gives up:
+  "fast": the gradient for a unit cotangent is computed in the forward's token walk (three
+  matmuls in all), dW summed over the chunks in a float32 `[D, V]` buffer; the backward only
+  scales. Fastest; costs a weight-sized float32 buffer.
+  "low_precision": the same walk with dW summed in the weight's dtype (each chunk's product
+  computed in float32 and rounded into the sum, as Liger does). As fast, no float32 buffer;
+  dW rounded once per chunk.
+  "lean": the forward keeps only per-row statistics; the backward runs the vocabulary walk with
+  the cotangent folded in (four matmuls). No weight-sized temporary and dW exact to float32
+  accumulation; the price is the fourth matmul.
+  float16 inputs and per-token cotangents (a loss per token, a differentiable lse) never take
+  the gradient-in-forward walk: a gradient for a unit cotangent rounded to float16 flushes
+  entries a loss scale would have saved, and a per-token cotangent cannot be folded into dW
+  afterwards. There the forward keeps statistics and the backward recomputes with the
+  cotangent folded in: the token walk with dW summed in float32 ("fast") or the weight's
+  dtype ("low_precision"), the vocabulary walk ("lean").
+- **Partitioning** (`_sharding.call_dims`, one custom_partitioning rule over named dimensions
+  "n d, d v, v, n... -> ..."): with the tokens of `hidden` sharded each device walks its own
+  tokens and dW/db are summed across the token axes in the weight's dtype (a weight-sized
+  all-reduce, as data parallelism needs anyway, at the bytes of XLA's own bf16 gradient); with
+  the weight sharded over the vocabulary each device walks its slice (the token walk merges
+  softmax statistics with O(C) all-reduces; the vocabulary walk needs none: the statistics are
+  global), dW/db stay local and dH is summed across the vocabulary axes. Inside shard_map the
+  same walks run on the local shards, `vocab_axis` naming the vocabulary axes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _common, _op, _sharding, _triton_jax
+from jax_fusedloss.kernels import linear_ce as _plans
+
+MODES = ("fast", "lean", "low_precision")
+DEFAULT_MODE = "fast"
+
+
+class HeadOptions(NamedTuple):
+    layout: str  # "dv" ([D, V]) or "vd" ([V, D])
+    mode: str
+    chunk: int  # tokens per chunk of the token walk
+    block: int  # vocabulary columns per block of the vocabulary walk
+    block_rows: int  # tokens per chunk inside a block (N: all at once)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadOp:
+    """Hooks of one hidden-state op. `opts` is the logits op's options (a NamedTuple with
+    `implementation` and `vocab_axis` fields), `head` the walk's."""
+    opts: Any
+    head: HeadOptions
+
+    def row_fns(self, impl: str) -> dict[str, _sharding.RowFns]:
+        """The logits op's row functions of implementation `impl` (fwd, fwd_grad, bwd)."""
+        raise NotImplementedError
+
+    def row_inputs(self, *aux) -> tuple:
+        """The `[N, ...]` arrays the forward row function takes after the logits."""
+        raise NotImplementedError
+
+    def stat_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Trailing shapes of the forward row function's per-row float32 outputs."""
+        raise NotImplementedError
+
+    def primal(self, stats: tuple, *aux) -> Any:
+        raise NotImplementedError
+
+    def per_row_cotangent(self) -> bool:
+        """Whether the outputs' cotangents differ per row (no gradient in the forward)."""
+        raise NotImplementedError
+
+    def bwd_rows(self, aux: tuple, stats: tuple, cts) -> tuple:
+        """The `[N, ...]` arrays of the backward row function, cotangents folded in."""
+        raise NotImplementedError
+
+    def shift(self, rows: tuple, offset) -> tuple:
+        """The backward's rows for the vocabulary block starting at column `offset`."""
+        raise NotImplementedError
+
+    def _replace(self, implementation: str) -> "HeadOp":
+        return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
+
+
+def fuses_grad(op: HeadOp, dtype) -> bool:
+    """Whether the forward computes the gradients for a unit cotangent (see the module doc)."""
+    return (op.head.mode != "lean" and not op.per_row_cotangent()
+            and jnp.dtype(dtype) != jnp.float16)
+
+
+def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
+    """Tokens per chunk of the token walk for `mode` (`kernels.linear_ce.chunk_rows`)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    dw_itemsize = {"fast": 4, "low_precision": itemsize, "lean": 0}[mode]
+    return _plans.chunk_rows(n, vocab, itemsize, dw_itemsize)
+
+
+# ----------------------------------------------------------------------------- chunk algebra
+def _vocab_dim(layout: str) -> int:
+    return 1 if layout == "dv" else 0
+
+
+def _logits(h, w, b, layout: str):
+    """h [C, D] times W ([D, V] or [V, D], contracted in place: no transposed copy) + b."""
+    contract = ((1,), (0,)) if layout == "dv" else ((1,), (1,))
+    z = jax.lax.dot_general(h, w, (contract, ((), ())))
+    return z if b is None else z + b.astype(z.dtype)
+
+
+def _dh(g, w, layout: str):
+    """g [C, V] W^T in float32."""
+    contract = ((1,), (1,)) if layout == "dv" else ((1,), (0,))
+    return jax.lax.dot_general(g, w, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dw(h, g, layout: str, dtype):
+    """This chunk's dW in W's layout as `dtype` (`acc + _dw(...)` in one dtype is what XLA's
+    GEMM rewriter folds into one GEMM with beta=1: float32 arithmetic, one rounding)."""
+    if layout == "dv":  # h^T g: [D, V]
+        return jax.lax.dot_general(h, g, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+    return jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
+
+
+def _chunks(n: int, chunk: int, body, init):
+    """Runs `carry = body(start, size, carry)` over the chunks of n: a fori_loop over the full
+    chunks (dynamic slices of the inputs, no copies) and one static call for the tail."""
+    full = n // chunk
+    carry = init
+    if full:
+        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * chunk, chunk, c), carry)
+    if n % chunk:
+        carry = body(full * chunk, n % chunk, carry)
+    return carry
+
+
+def _slice(a, start, size, axis=0):
+    return jax.lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+
+
+def _put(buf, start, val, axis=0):
+    return jax.lax.dynamic_update_slice_in_dim(buf, val.astype(buf.dtype), start, axis=axis)
+
+
+def _zeros(shape, dtype, vma):
+    return _sharding._pcast_to(jnp.zeros(shape, dtype), frozenset(vma))
+
+
+def _vma(*arrays) -> frozenset:
+    return frozenset().union(*(_sharding.varying_axes(a) for a in arrays if a is not None))
+
+
+# ----------------------------------------------------------------------------- the walks
+def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
+    """One pass over the token chunks of (this device's) hidden states.
+
+    role "fwd": the forward row function's per-row statistics; "fwd_grad": the same and the
+    unit-cotangent (dH, dW, db); "bwd" (rows: `op.bwd_rows`): (dH, dW, db). `ce(role, z,
+    *rows)` runs the row function on one chunk's logits (its vocabulary-parallel form when the
+    weight is a vocabulary slice). dW/db are this device's tokens' sums, dH its slice's."""
+    n, f32, head = h.shape[0], jnp.float32, op.head
+    vma = _vma(h, w, b, *rows)
+    row_vma = vma - frozenset(vocab_axes)
+    stats, grads = role != "bwd", role != "fwd"
+    init = ()
+    if stats:
+        init += tuple(_zeros((n,) + s, f32, row_vma) for s in op.stat_shapes())
+    if grads:
+        dw_dtype = f32 if head.mode == "fast" else w.dtype
+        init += (_zeros(h.shape, h.dtype, vma), _zeros(w.shape, dw_dtype, vma),
+                 None if b is None else _zeros(b.shape, f32, vma))
+    n_stats = len(op.stat_shapes()) if stats else 0
+
+    def body(start, size, carry):
+        hc = _slice(h, start, size)
+        outs = ce(role, _logits(hc, w, b, head.layout), *(_slice(r, start, size) for r in rows))
+        new = tuple(_put(buf, start, o) for buf, o in zip(carry[:n_stats], outs[:n_stats]))
+        if grads:
+            dh, dw, db = carry[-3:]
+            g = outs[-1]
+            if db is not None:
+                db = db + jnp.sum(g.astype(f32), axis=0)
+            new += (_put(dh, start, _dh(g, w, head.layout)), dw + _dw(hc, g, head.layout,
+                                                                       dw.dtype), db)
+        return new
+
+    outs = _chunks(n, min(head.chunk, n), body, init)
+    if grads:  # dW leaves the walk in W's dtype ("fast": its float32 sum rounded once here)
+        outs = outs[:-2] + (outs[-2].astype(w.dtype), outs[-1])
+    return outs
+
+
+def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=()):
+    """The lean backward: (dH, dW, db) from the backward row function `bwd(z, *rows)` over
+    blocks of `op.head.block` vocabulary columns (see the module doc). dH accumulates in
+    float32; each block of dW is one full-K matmul over the tokens (row chunks of
+    `block_rows` tokens sum into a float32 `[D, B]` block) written once in W's dtype."""
+    n, f32, head = h.shape[0], jnp.float32, op.head
+    vdim = _vocab_dim(head.layout)
+    vocab = w.shape[vdim]
+    vma = _vma(h, w, b, *rows)
+    first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
+    init = (_zeros(h.shape, f32, vma), _zeros(w.shape, w.dtype, vma),
+            None if b is None else _zeros(b.shape, f32, vma))
+    chunk = min(head.block_rows, n)
+
+    def block(start, size, carry):
+        dh, dw, db = carry
+        wb = _slice(w, start, size, axis=vdim)
+        bb = None if b is None else _slice(b, start, size)
+        shifted = op.shift(rows, first + start)
+
+        def part(r0, rs, acc):
+            dh, dwb, dbb = acc
+            hc = _slice(h, r0, rs)
+            g = bwd(_logits(hc, wb, bb, head.layout), *(_slice(r, r0, rs) for r in shifted))
+            dh = _put(dh, r0, _slice(dh, r0, rs) + _dh(g, wb, head.layout))
+            if dbb is not None:
+                dbb = dbb + jnp.sum(g.astype(f32), axis=0)
+            dwb = _dw(hc, g, head.layout, f32) if dwb is None else dwb + _dw(
+                hc, g, head.layout, f32)
+            return dh, dwb, dbb
+
+        dbb0 = None if b is None else _zeros((size,), f32, vma)
+        if chunk >= n:  # all tokens at once: dW's block straight from one GEMM
+            dh, dwb, dbb = part(0, n, (dh, None, dbb0))
+        else:
+            dwb0 = _zeros(wb.shape, f32, vma)
+            dh, dwb, dbb = _chunks(n, chunk, part, (dh, dwb0, dbb0))
+        dw = _put(dw, start, dwb, axis=vdim)
+        db = None if db is None else _put(db, start, dbb)
+        return dh, dw, db
+
+    return _chunks(vocab, min(head.block, vocab), block, init)
+
+
+# ----------------------------------------------------------------------------- partitioning
+def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
+    """What each device runs under the partitioner: the walk on its tokens (and weight slice),
+    then dW/db summed over the token axes (in W's and b's dtype) and dH over the vocabulary
+    axes."""
+    impl = op.opts.implementation
+    if impl == "triton" and mesh is not None and mesh.size > 1 and not _triton_jax.on_cuda_gpu():
+        impl = "xla"  # the interpreter's host callbacks cannot run in a partitioned program
+    fns = op.row_fns(impl)
+
+    def ce(role, z, *r):
+        return fns[role].vocab_parallel(z, *r, axes=vocab) if vocab else fns[role].local(z, *r)
+
+    def local(h, w, *rest):
+        b, rest = (rest[0], rest[1:]) if has_bias else (None, rest)
+        if role == "bwd_lean":
+            outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
+                               vocab_axes=vocab)
+        else:
+            outs = _token_walk(role, op, ce, h, w, b, *rest, vocab_axes=vocab)
+        if role == "fwd":
+            return outs
+        dh, dw, db = outs[-3:]
+        if vocab:
+            dh = jax.lax.psum(dh.astype(jnp.float32), vocab).astype(dh.dtype)
+        if rows:  # dW in W's dtype: the all-reduce moves the bytes of XLA's own gradient
+            dw = jax.lax.psum(dw, rows)
+            db = None if db is None else jax.lax.psum(db, rows)
+        return outs[:-3] + (dh, dw) + (() if db is None else (db,))
+
+    return local
+
+
+def _letters(ndim: int, pool: list) -> str:
+    return "n" + "".join(pool.pop(0) for _ in range(ndim - 1))
+
+
+def _run(role: str, op: HeadOp, h, w, b, *rows):
+    """The walk of `role` ("fwd", "fwd_grad", "bwd": token walk; "bwd_lean": vocabulary walk)
+    partitioned across devices: inside shard_map on the local shards (vocabulary-parallel over
+    `vocab_axis`; gradients summed across devices by the backward), elsewhere through
+    `_sharding.call_dims`."""
+    vocab_axes = _sharding._axes(op.opts.vocab_axis)
+    has_bias = b is not None
+    args = (h, w) + ((b,) if has_bias else ()) + rows
+    if vocab_axes or _sharding.varying_axes(h) or _sharding.varying_axes(w):
+        outs = _partition_body(role, op, has_bias, None, (), vocab_axes)(*args)
+    else:
+        wd = "dv" if op.head.layout == "dv" else "vd"
+        bias = ("v",) if has_bias else ()
+        pool = list("cefgijklm")
+        in_dims = ("nd", wd) + bias + tuple(_letters(r.ndim, pool) for r in rows)
+        out_dims = tuple(_letters(1 + len(s), pool) for s in op.stat_shapes()) \
+            if role in ("fwd", "fwd_grad") else ()
+        if role != "fwd":
+            out_dims += ("nd", wd) + bias
+        body = functools.partial(_partition_body, role, op, has_bias)
+        outs = _sharding.call_dims(body, in_dims, out_dims, *args)
+    return tuple(outs) + ((None,) if role != "fwd" and not has_bias else ())
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+def _scale(g, cot, impl: str):
+    """A saved unit-cotangent gradient times the scalar cotangent, in g's dtype. With Triton
+    on a GPU the rows are rescaled in place (untouched when the cotangent is 1: a loss that is
+    the program's output costs nothing), so the saved buffer becomes the returned one."""
+    if g is None:
+        return None
+    if impl == "triton" and g.ndim == 2 and _triton_jax.on_cuda_gpu():
+        from jax_fusedloss.cross_entropy import scale_row_fns
+
+        cots = jnp.broadcast_to(cot, g.shape[:1]).astype(jnp.float32)
+        return _sharding.call_rows(scale_row_fns("triton"), None, g, cots)[0]
+    return (g.astype(jnp.float32) * cot).astype(g.dtype)
+
+
+def _finish(grads, h, w, b):
+    """Gradients in their inputs' dtypes; inside shard_map summed over the devices whose
+    partial sums they are (`_sharding.sum_to_varying`; a no-op elsewhere)."""
+    dh, dw, db = grads
+    out = (_sharding.sum_to_varying(dh.astype(h.dtype), h),
+           _sharding.sum_to_varying(dw.astype(w.dtype), w),
+           None if b is None else _sharding.sum_to_varying(db.astype(b.dtype), b))
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _head(op: HeadOp, h, w, b, *aux):
+    return op.primal(_run("fwd", op, h, w, b, *op.row_inputs(*aux)), *aux)
+
+
+def _head_fwd(op: HeadOp, h, w, b, *aux):
+    h, w, b, aux = _op.first_order_only(h, w, b, aux)
+    rows = op.row_inputs(*aux)
+    if fuses_grad(op, h.dtype):
+        *stats, dh, dw, db = _run("fwd_grad", op, h, w, b, *rows)
+        stats = stats[:len(op.stat_shapes())]
+        return op.primal(stats, *aux), (True, (dh, dw, db), (h, w, b), aux, ())
+    stats = _run("fwd", op, h, w, b, *rows)
+    return op.primal(stats, *aux), (False, (), (h, w, b), aux, tuple(stats))
+
+
+def _head_bwd(op: HeadOp, res, cts):
+    fused, grads, (h, w, b), aux, stats = res
+    grads, cts = _op.first_order_only(grads, cts)
+    impl = op.opts.implementation
+    zero_aux = (None,) * len(aux)
+    if fused:
+        cot = cts[0].astype(jnp.float32)
+        dh, dw, db = grads
+        return _finish((_scale(dh, cot, impl), _scale(dw, cot, impl),
+                        None if db is None else db * cot), h, w, b) + zero_aux
+    rows = op.bwd_rows(aux, stats, cts)
+    role = "bwd_lean" if op.head.mode == "lean" else "bwd"
+    return _finish(_run(role, op, h, w, b, *rows), h, w, b) + zero_aux
+
+
+_head.defvjp(_head_fwd, _head_bwd)
+
+
+def apply(op: HeadOp, implementation: str | None, h, w, b, *aux):
+    """Runs the hidden-state op on `[N, D]` hidden states with the requested implementation of
+    its row functions (None: Triton on a CUDA GPU, XLA elsewhere; the matmuls are XLA's)."""
+    return _common.dispatch_op(lambda *args: _head(args[-1], *args[:-1]), implementation,
+                               h, w, b, *aux, opts=op)
