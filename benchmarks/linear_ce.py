@@ -1,29 +1,35 @@
-"""Fused linear cross-entropy, forward + backward (dH, dW), against its floor and the anchors.
+"""The LM head (fused linear cross-entropy), forward + backward (dH, dW), against its floor and
+the anchors.
 
-    source .whl/gpu-env.sh && python3 -m benchmarks.linear_ce --out out/linear_ce  # all (~5 min)
-    python3 -m benchmarks.linear_ce --out out/lce --quick    # target shape, chunks 512 and 1024
+    source .whl/gpu-env.sh && python3 -m benchmarks.linear_ce --out out/linear_ce  # all shapes
+    python3 -m benchmarks.linear_ce --out out/lce --quick    # the target shape only
     python -m benchmarks.linear_ce --out out/lce --smoke --n 64 --d 32 --v 1000   # CPU smoke
 
-Shapes (`--shapes`, bf16 by default): llama3-8b (N=8192, D=4096, V=128256: issue 10's target),
-gemma2-2b (N=8192, D=2304, V=256000, Gemma-2-2B's head) and llama3-8b-n32k (N=32768); or one
-`--n/--d/--v` shape. Rows at each shape:
-- jax_fusedloss.linear_cross_entropy, implementation "triton", for each `--chunk-sizes` (and
-  the default chunk, marked) with "input" and "float32" accumulation of dW; "xla" (default
-  chunk, both accumulations);
-- optax naive: logits = h @ W materialised, optax.softmax_cross_entropy_with_integer_labels;
-- matmuls: the three bare matmuls of the step (h @ W, G @ W^T, h^T @ G with G given), the floor;
-- PyTorch: torch naive (F.linear + F.cross_entropy), Liger's LigerFusedLinearCrossEntropyLoss
-  and Apple's cut_cross_entropy.linear_cross_entropy when importable, torch_ref's autograd
-  Function. Cut Cross-Entropy twice: on the same random inputs as everyone, and on "peaked"
-  ones (`_peaked_inputs`), since its backward skips blocks whose softmax is below its filter.
+Shapes (`--shapes`, bf16 by default, weight `[V, D]` (`--layout vd`, as the PyTorch anchors
+take it) unless `--layout dv`): llama3-8b (N=8192, D=4096, V=128256: the target), gemma2-2b
+(N=8192, D=2304, V=256000: Gemma-2-2B's head, and the Cut Cross-Entropy paper's shape) and
+llama3-8b-n32k (N=32768); or one `--n/--d/--v` shape. Rows at each shape:
+- jax_fusedloss.linear_cross_entropy, implementation "triton", in each `mode` ("fast",
+  "low_precision", "lean") at the default chunk, "low_precision" also at each `--chunk-sizes`;
+  the XLA twin in "fast";
+- optax naive: logits materialised, optax.softmax_cross_entropy_with_integer_labels in float32;
+- matmuls: the three bare matmuls of the step (h W, G W^T, h^T G with G given), the floor;
+- PyTorch: torch naive (F.linear + F.cross_entropy in float32), Liger's
+  LigerFusedLinearCrossEntropyLoss and Apple's cut_cross_entropy.linear_cross_entropy when
+  importable, torch_ref in "fast" and "lean". Cut Cross-Entropy twice: on the same random
+  inputs as everyone, and on "peaked" ones (`_peaked_inputs`), since its backward skips blocks
+  whose softmax is below its filter.
 A naive baseline whose estimated memory exceeds `--mem-limit-gib` is skipped with a note.
 
-Median / 20th / 80th percentile ms (benchmarks/timing.py; 3 samples at the N=32768 shape), and
-memory: `peak_gib` is the memory beyond the inputs during forward + backward, gradients included
-(JAX: XLA's output + temp bytes; PyTorch: max_memory_allocated beyond what was allocated before
-the call), `temp_gib` XLA's temporaries. PyTorch runs first (its cache is emptied after each
-case; JAX keeps what it allocated). Rows go to `<out>/linear_ce.csv` with device, versions and
-commit; each shape ends with a one-line summary of ours against the bare matmuls.
+Time: median / 20th / 80th percentile ms of the host wall of the jitted step called in a loop
+(benchmarks/timing.py; 3 samples at the N=32768 shape). Memory, JAX: `temp_gib`, XLA's
+temporaries (what the step needs beyond its inputs and returned gradients, from the buffer
+assignment), and `device_extra_gib`, the device's peak-bytes counter during one call minus
+what was in use before it and minus the outputs (each JAX case runs in a process of its own on
+a GPU, `--case`, so that counter is the case's alone); `peak_gib` = outputs + temporaries.
+PyTorch: `peak_gib` is max_memory_allocated beyond what was allocated before the call,
+gradients included. Rows go to `<out>/linear_ce.csv` with device, versions and commit; each
+shape ends with a one-line summary against the bare matmuls.
 """
 from __future__ import annotations
 
@@ -39,13 +45,13 @@ from pathlib import Path
 from benchmarks import record, timing
 
 GIB = float(1 << 30)
-FIELDS = ["date", "device", "commit", "versions", "n", "d", "v", "dtype", "framework", "impl",
-          "median_ms", "p20_ms", "p80_ms", "ratio_to_matmuls", "peak_gib", "temp_gib", "loss",
-          "note"]
+FIELDS = ["date", "device", "commit", "versions", "n", "d", "v", "dtype", "layout",
+          "framework", "impl", "median_ms", "p20_ms", "p80_ms", "ratio_to_matmuls", "peak_gib",
+          "temp_gib", "device_extra_gib", "loss", "note"]
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "gemma2-2b": (8192, 2304, 256000),
           "llama3-8b-n32k": (32768, 4096, 128256)}
 TARGET = "llama3-8b"
-CHUNKS, QUICK_CHUNKS = "256,512,1024,2048", "512,1024"
+CHUNKS, QUICK_CHUNKS = "512,2048", ""
 # Shapes with more logits than this (N=32768 at V=128256: 4.2e9) are timed with 3 samples
 # (timing's smoke plan): a call there takes ~0.15 s, steady enough, and keeps the whole run
 # near 5 minutes on an H100.
@@ -66,71 +72,129 @@ def _fits(name, n, v, limit_gib, note) -> bool:
     return True
 
 
-def _chunks(n, d, v, dtype, sweep, acc):
-    """(chunk, is_default) for ours: the sweep's chunks up to N, and the default chunk."""
-    from jax_fusedloss.linear_cross_entropy import default_chunk_size
-
-    default = default_chunk_size(n, v, d, dtype, acc)
-    return [(c, c == default) for c in sorted({c for c in sweep if c <= n} | {default})]
+MODES = ("fast", "low_precision", "lean")
 
 
-def _jax_cases(shape, dtype, sweep, few, limit, rows, note):
+def _jax_inputs(shape, dtype, layout):
+    import jax
+    import jax.numpy as jnp
+
+    n, d, v = shape
+    dt = jnp.dtype(dtype)
+    k = jax.random.split(jax.random.key(0), 4)
+    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dt)
+    w = (jax.random.normal(k[1], (d, v) if layout == "dv" else (v, d), jnp.float32)
+         * 0.02).astype(dt)
+    y = jax.random.randint(k[2], (n,), 0, v)
+    return h, w, y, k[3]
+
+
+def _jax_case_names(shape, sweep, limit, note) -> list[str]:
+    """Ours in each mode (default chunk; "low_precision" also at each --chunk-sizes), the XLA
+    twin in "fast", optax naive and the matmul floor."""
+    n, _, v = shape
+    names = [f"ours-triton-{m}" for m in MODES]
+    names += [f"ours-triton-low_precision-c{c}" for c in sweep if c <= n]
+    names.append("ours-xla-fast")
+    if _fits("optax-naive", n, v, limit, note):
+        names.append("optax-naive")
+    if _fits("matmuls-floor", n, v, limit, note):
+        names.append("matmuls-floor")
+    return names
+
+
+def _jax_case(name, shape, dtype, layout):
+    """(jitted fn, args, note) of one named case."""
     import jax
     import jax.numpy as jnp
     import optax
 
     import jax_fusedloss as jfl
 
+    h, w, y, key = _jax_inputs(shape, dtype, layout)
+    n, _, v = shape
+    logits_of = (lambda h, w: h @ w) if layout == "dv" else (lambda h, w: h @ w.T)
+    if name == "matmuls-floor":
+        g = (jax.random.normal(key, (n, v), jnp.float32) * 1e-3).astype(h.dtype)
+        if layout == "dv":
+            return jax.jit(lambda h, w, g: (h @ w, g @ w.T, h.T @ g)), (h, w, g), ""
+        return jax.jit(lambda h, w, g: (h @ w.T, g @ w, g.T @ h)), (h, w, g), ""
+    if name == "optax-naive":
+        def loss(h, w):
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits_of(h, w).astype(jnp.float32), y).mean()
+        return jax.jit(jax.value_and_grad(loss, (0, 1))), (h, w), "float32 logits"
+    _, impl, mode = name.split("-", 2)
+    chunk = None
+    if "-c" in mode:
+        mode, chunk = mode.split("-c")
+        chunk = int(chunk)
+
+    def ours(h, w):
+        return jfl.linear_cross_entropy(h, w, y, weight_layout=layout, implementation=impl,
+                                        mode=mode, chunk_size=chunk)
+    return jax.jit(jax.value_and_grad(ours, (0, 1))), (h, w), (
+        "default chunk_size" if chunk is None else "")
+
+
+def _run_jax_case(name, shape, dtype, layout, few) -> dict:
+    """Times one case and reads its memory: XLA's buffer assignment (temporaries: what the
+    program needs beyond its arguments and outputs) and the device's peak-bytes counter of this
+    process (the peak during one call minus what was in use before it, minus the outputs).
+    Run in a fresh process per case (`--case`), the counter is that case's alone."""
+    import jax
+
+    fn, args, note = _jax_case(name, shape, dtype, layout)
+    compiled = fn.lower(*args).compile()
+    ma = compiled.memory_analysis()
+    dev = jax.devices()[0]
+    stats0 = dev.memory_stats() or {}
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    stats1 = dev.memory_stats() or {}
+    out_bytes = sum(a.nbytes for a in jax.tree.leaves(out))
+    device_peak = None
+    if "peak_bytes_in_use" in stats1 and "bytes_in_use" in stats0:
+        device_peak = stats1["peak_bytes_in_use"] - stats0["bytes_in_use"] - out_bytes
+    del out
+    in_bytes = sum(a.nbytes for a in args)
+    stats = timing.time_jax(lambda: compiled(*args), 1, in_bytes, few)
+    loss = out_loss = float("nan")
+    if name != "matmuls-floor":
+        out_loss = float(compiled(*args)[0])
+    loss = out_loss
+    return dict(framework="jax", impl=name, **stats._asdict(),
+                peak_gib=(ma.output_size_in_bytes + ma.temp_size_in_bytes) / GIB,
+                temp_gib=ma.temp_size_in_bytes / GIB,
+                device_extra_gib=None if device_peak is None else device_peak / GIB,
+                loss=loss, note=note)
+
+
+def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate):
+    """Every JAX case of one shape, each in its own process when `isolate` (the device's
+    peak counter cannot be reset within a process)."""
+    import json
+    import subprocess
+    import sys
+
     n, d, v = shape
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.key(0), 4)
-    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dt)
-    w = (jax.random.normal(k[1], (d, v), jnp.float32) * 0.02).astype(dt)
-    y = jax.random.randint(k[2], (n,), 0, v)
-
-    def ours(impl, acc, chunk):
-        return lambda h, w: jfl.linear_cross_entropy(h, w, y, implementation=impl,
-                                                     accumulation=acc, chunk_size=chunk)
-
-    cases = []  # (name, loss_fn, note)
-    for acc, tag in (("input", "inputacc"), ("float32", "f32acc")):
-        for chunk, default in _chunks(n, d, v, dt, sweep, acc):
-            cases.append((f"ours-triton-{tag}-c{chunk}", ours("triton", acc, chunk),
-                          "default chunk_size" if default else ""))
-    for acc, tag in (("float32", "f32acc"), ("input", "inputacc")):
-        cases.append((f"ours-xla-{tag}", ours("xla", acc, None), "default chunk_size"))
-    if _fits("optax-naive", n, v, limit, note):
-        cases.append(("optax-naive", lambda h, w: optax.softmax_cross_entropy_with_integer_labels(
-            h @ w, y).mean(), ""))
-    for name, loss_fn, msg in cases:
+    for name in _jax_case_names(shape, sweep, limit, note):
         try:
-            fn = jax.jit(jax.value_and_grad(loss_fn, (0, 1)))
-            compiled = fn.lower(h, w).compile()
-            ma = compiled.memory_analysis()
-            stats = timing.time_jax(lambda: compiled(h, w), 1, h.nbytes + w.nbytes, few)
-            loss = float(compiled(h, w)[0])
-            peak = ma.output_size_in_bytes + ma.temp_size_in_bytes
-            rows.append(dict(framework="jax", impl=name, **stats._asdict(), peak_gib=peak / GIB,
-                             temp_gib=ma.temp_size_in_bytes / GIB, loss=loss, note=msg))
+            if not isolate:
+                rows.append(_run_jax_case(name, shape, dtype, layout, few))
+            else:
+                cmd = [sys.executable, "-m", "benchmarks.linear_ce", "--case", name, "--n",
+                       str(n), "--d", str(d), "--v", str(v), "--dtype", dtype, "--layout",
+                       layout, "--out", "-"] + (["--smoke"] if few else [])
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CASE ")]
+                if proc.returncode or not line:
+                    raise RuntimeError(proc.stderr[-1500:])
+                rows.append(json.loads(line[-1][5:]))
             print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
             traceback.print_exc()
-            note(f"jax {name} at N={n} D={d} V={v}: {type(e).__name__}: {e}")
-
-    if not _fits("matmuls-floor", n, v, limit, note):
-        return
-    g = (jax.random.normal(k[3], (n, v), jnp.float32) * 1e-3).astype(dt)
-
-    def matmuls(h, w, g):
-        return h @ w, g @ w.T, h.T @ g
-
-    compiled = jax.jit(matmuls).lower(h, w, g).compile()
-    ma = compiled.memory_analysis()
-    stats = timing.time_jax(lambda: compiled(h, w, g), 1, h.nbytes + w.nbytes, few)
-    rows.append(dict(framework="jax", impl="matmuls-floor", **stats._asdict(),
-                     peak_gib=(ma.output_size_in_bytes + ma.temp_size_in_bytes) / GIB,
-                     temp_gib=ma.temp_size_in_bytes / GIB, loss=float("nan"), note=""))
-    print(rows[-1], flush=True)
+            note(f"jax {name} at N={n} D={d} V={v}: {type(e).__name__}: {str(e)[-600:]}")
 
 
 def _peaked_inputs(n, d, v, dt, dev, gen):
@@ -190,8 +254,9 @@ def _torch_cases(shape, dtype, few, limit, rows, note):
     try:
         import torch_ref
 
-        cases["torch_ref-f32acc"] = (lambda h, w, y: torch_ref.linear_cross_entropy(
-            h, w, y, weight_layout="vd"), inputs)
+        for mode in ("fast", "lean"):
+            cases[f"torch_ref-{mode}"] = (lambda h, w, y, mode=mode: torch_ref.linear_cross_entropy(
+                h, w, y, weight_layout="vd", mode=mode), inputs)
     except Exception as e:  # noqa: BLE001
         note(f"torch_ref: {type(e).__name__}: {e}; skipped")
 
@@ -219,29 +284,25 @@ def _torch_cases(shape, dtype, few, limit, rows, note):
         torch.cuda.empty_cache()
 
 
+def _extra_gib(r):
+    """Memory beyond the inputs and the returned gradients: JAX's XLA temporaries (the device
+    counter is in the CSV beside it), PyTorch's peak less its gradients."""
+    return r.get("temp_gib") if r["framework"] == "jax" else r.get("peak_gib")
+
+
 def _summary(label, shape, rows) -> str:
-    """One line: ours (each chunk, * = default) and the anchors as x bare matmuls, peak GiB."""
+    """One line: every row as x bare matmuls and GiB beyond inputs (JAX: XLA temporaries)."""
     n, d, v = shape
     floor = next((r["median_ms"] for r in rows if r["impl"] == "matmuls-floor"), None)
 
-    def cell(r, name):
+    def cell(r):
         ratio = f"{r['median_ms'] / floor:.2f}x" if floor else f"{r['median_ms']:.1f}ms"
-        peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-        return f"{name}{'*' if r['note'] == 'default chunk_size' else ''} {ratio} {peak}"
+        extra = _extra_gib(r)
+        return f"{r['impl']} {ratio} {'-' if extra is None else f'{extra:.2f}'}"
 
-    parts = [f"{label} N={n} D={d} V={v}: matmuls "
-             + (f"{floor:.1f} ms" if floor else "-") + " | ours x matmuls, peak GiB"]
-    for tag in ("inputacc", "f32acc"):
-        ours = [r for r in rows if r["impl"].startswith(f"ours-triton-{tag}-c")]
-        ours.sort(key=lambda r: int(r["impl"].rsplit("-c", 1)[1]))
-        if ours:
-            parts.append(f"{tag}: " + ", ".join(cell(r, "c" + r["impl"].rsplit("-c", 1)[1])
-                                                for r in ours))
-    others = [r for r in rows if not r["impl"].startswith("ours-triton")
-              and r["impl"] != "matmuls-floor"]
-    if others:
-        parts.append(", ".join(cell(r, r["impl"]) for r in others))
-    return " | ".join(parts)
+    head = f"{label} N={n} D={d} V={v}: matmuls " + (f"{floor:.1f} ms" if floor else "-")
+    return head + " | x matmuls, GiB: " + ", ".join(cell(r) for r in rows
+                                                    if r["impl"] != "matmuls-floor")
 
 
 def _shapes(args) -> dict:
@@ -263,9 +324,13 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int)
     p.add_argument("--v", type=int)
     p.add_argument("--chunk-sizes", default=None,
-                   help=f"chunk sizes of ours (default {CHUNKS}; --quick {QUICK_CHUNKS})")
-    p.add_argument("--quick", action="store_true",
-                   help=f"only {TARGET}, chunk sizes {QUICK_CHUNKS}")
+                   help=f"extra chunk sizes of low_precision (default {CHUNKS}; --quick none)")
+    p.add_argument("--quick", action="store_true", help=f"only {TARGET}, no chunk sweep")
+    p.add_argument("--layout", default="vd", choices=["vd", "dv"],
+                   help="weight [V, D] (vd, as the PyTorch anchors) or [D, V] (dv)")
+    p.add_argument("--case", help=argparse.SUPPRESS)  # one JAX case in this process
+    p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
+                   help="each JAX case in its own process (auto: on a GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--frameworks", default="jax,torch", help="comma list of jax, torch")
     p.add_argument("--mem-limit-gib", type=float, default=64.0,
@@ -273,8 +338,16 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="few samples (CPU check of the script)")
     args = p.parse_args(argv)
     sweep = [int(c) for c in (args.chunk_sizes or (QUICK_CHUNKS if args.quick else CHUNKS))
-             .split(",")]
+             .split(",") if c]
     shapes = _shapes(args)
+    if args.case:
+        import json
+
+        (shape,) = shapes.values()
+        row = _run_jax_case(args.case, shape, args.dtype, args.layout, args.smoke)
+        print("CASE " + json.dumps(row), flush=True)
+        return
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and _device_is_gpu())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {label: [] for label in shapes}
@@ -293,15 +366,15 @@ def main(argv=None) -> None:
             print(f"== {fw} {label} N={shape[0]} D={shape[1]} V={shape[2]}", flush=True)
             try:
                 if fw == "jax":
-                    _jax_cases(shape, args.dtype, sweep, few, args.mem_limit_gib,
-                               results[label], note)
+                    _jax_cases(shape, args.dtype, args.layout, sweep, few,
+                               args.mem_limit_gib, results[label], note, isolate)
                 else:
                     _torch_cases(shape, args.dtype, few, args.mem_limit_gib, results[label],
                                  note)
             except Exception as e:  # noqa: BLE001 - e.g. torch missing: keep the other rows
                 traceback.print_exc()
                 note(f"{fw} {label}: {type(e).__name__}: {e}")
-    path = _write_csv(out, shapes, results, notes, args.dtype)
+    path = _write_csv(out, shapes, results, notes, args.dtype, args.layout)
     device = _device()
     for label, shape in shapes.items():
         rows = results[label]
@@ -311,7 +384,9 @@ def main(argv=None) -> None:
         for r in rows:
             ratio = f"{r['median_ms'] / floor:5.2f}x" if floor else "  -  "
             peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
-            print(f"{r['framework']:6s} {r['impl']:28s} {r['median_ms']:9.2f} ms {ratio}  "
+            dev = r.get("device_extra_gib")
+            peak += "" if dev is None else f" (temp {r['temp_gib']:.3f}, device {dev:.3f})"
+            print(f"{r['framework']:6s} {r['impl']:32s} {r['median_ms']:9.2f} ms {ratio}  "
                   f"peak {peak} GiB  loss {r['loss']:.5f}  {r['note']}")
     print("\nsummary (* = default chunk_size; peak = GiB beyond the inputs)")
     for label, shape in shapes.items():
@@ -319,7 +394,7 @@ def main(argv=None) -> None:
     print(f"wrote {path}")
 
 
-def _write_csv(out: Path, shapes, results, notes, dtype) -> Path:
+def _write_csv(out: Path, shapes, results, notes, dtype, layout) -> Path:
     device = _device()
     versions = record.versions()
     try:
@@ -327,7 +402,7 @@ def _write_csv(out: Path, shapes, results, notes, dtype) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     common = dict(date=datetime.date.today().isoformat(), device=device,
-                  commit=record.commit(), versions=versions, dtype=dtype)
+                  commit=record.commit(), versions=versions, dtype=dtype, layout=layout)
     path = out / "linear_ce.csv"
     new = not path.exists()
     with open(path, "a", newline="") as f:
@@ -343,6 +418,15 @@ def _write_csv(out: Path, shapes, results, notes, dtype) -> Path:
         for msg in notes:
             writer.writerow(dict(common, framework="note", impl="", note=msg))
     return path
+
+
+def _device_is_gpu() -> bool:
+    try:
+        import jax
+
+        return jax.devices()[0].platform == "gpu"
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _device() -> str:

@@ -1,7 +1,15 @@
-"""Sharded cross-entropy on every device present: jax_fusedloss against optax under the same
-sharding, and against our own op on one device at the per-device token count.
+"""Sharded cross-entropy and LM head on every device present: jax_fusedloss against optax / XLA
+under the same sharding, and against our own op on one device at the per-device token count.
 
-    python -m benchmarks.sharded --out out/sharded      # on 1, 2, ... GPUs
+    python -m benchmarks.sharded --out out/sharded          # cross_entropy on 1, 2, ... GPUs
+    python -m benchmarks.sharded --out out/sharded --head   # linear_cross_entropy (LM head)
+
+LM head (`--head`, bf16 hidden `[N, D]` and weight `[V, D]`, D=4096, fwd+bwd for both):
+"data" (tokens sharded, weight replicated: data parallelism), "fsdp_d" / "fsdp_v" (tokens
+and the weight sharded over the same axis, the weight on D or on V, as FSDP partition rules
+do), "vocab" (all tokens on every device, weight split over V); ours in each mode against
+"xla-naive" (logits materialised, optax in float32) under the same sharding, and ours and
+XLA's on one device at the per-device token count (rows "one_device").
 
 For each layout (tokens sharded, vocabulary sharded, and a 2-D mesh when there are 4 or more
 devices) it times `jit(value_and_grad(loss))` (median of host-clock runs with
@@ -60,12 +68,74 @@ def losses():
     }
 
 
+def head_losses(modes=("fast", "low_precision", "lean")):
+    def naive(h, w, y):
+        z = (h @ w.T).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(z, y).mean()
+
+    out = {f"ours-{m}": (lambda h, w, y, m=m: jfl.linear_cross_entropy(
+        h, w, y, weight_layout="vd", mode=m)) for m in modes}
+    out["xla-naive"] = naive
+    return out
+
+
+def head_rows(args, meta) -> list[dict]:
+    """The LM head's rows (module docstring)."""
+    devs = jax.devices()
+    n_dev = len(devs)
+    per, d, vocab = args.tokens_per_device, args.dim, args.vocab
+    n = per * n_dev
+    k = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (vocab, d), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    y = jax.random.randint(k[2], (n,), 0, vocab)
+    meta = dict(meta, N=n, D=d, op="linear_cross_entropy")
+    rows = []
+    for name, loss in head_losses().items():
+        f = jax.jit(jax.value_and_grad(loss, (0, 1)))
+        args1 = (h[:per], w, y[:per])
+        rows.append(dict(meta, layout="one_device", N=per, impl=name, ms=time_ms(f, *args1),
+                         comm_bytes=0, temp_bytes=f.lower(*args1).compile().memory_analysis()
+                         .temp_size_in_bytes))
+        print(rows[-1], flush=True)
+    mesh = jax.make_mesh((n_dev,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    layouts = {"data": (P("data", None), P(None, None), P("data")),
+               "fsdp_d": (P("data", None), P(None, "data"), P("data")),
+               "fsdp_v": (P("data", None), P("data", None), P("data")),
+               "vocab": (P(None, None), P("data", None), P(None))}
+    for layout, specs in layouts.items():
+        hs, ws, ys = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((h, w, y), specs))
+        # the gradients laid out like their parameters, as a train step's optimizer wants them
+        outs = (NamedSharding(mesh, P()), (hs.sharding, ws.sharding))
+        for name, loss in head_losses().items():
+            try:
+                f = jax.jit(jax.value_and_grad(loss, (0, 1)), out_shardings=outs)
+                compiled = f.lower(hs, ws, ys).compile()
+                _, g = compiled(hs, ws, ys)
+                rows.append(dict(meta, layout=layout, impl=name, ms=time_ms(compiled, hs, ws, ys),
+                                 comm_bytes=comm_bytes(compiled.as_text()),
+                                 temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                                 grad_sharding=f"{g[0].sharding.spec} {g[1].sharding.spec}"))
+            except Exception as e:  # noqa: BLE001 - report and go on
+                rows.append(dict(meta, layout=layout, impl=name, ms=float("nan"), comm_bytes=0,
+                                 temp_bytes=0, grad_sharding=f"error: {str(e)[:200]}"))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="out/sharded", help="folder for sharded.csv")
     ap.add_argument("--tokens-per-device", type=int, default=8192, help="N per device")
     ap.add_argument("--vocab", type=int, default=128256, help="V (llama3: 128256)")
+    ap.add_argument("--head", action="store_true", help="the LM head instead of cross_entropy")
+    ap.add_argument("--dim", type=int, default=4096, help="D of the LM head")
     args = ap.parse_args()
+    if args.head:
+        meta = dict(device=jax.devices()[0].device_kind, n_devices=len(jax.devices()),
+                    jax=jax.__version__, date=datetime.date.today().isoformat(),
+                    V=args.vocab, dtype="bfloat16")
+        return _write(args.out, "sharded_head.csv", head_rows(args, meta))
     devs = jax.devices()
     n_dev = len(devs)
     n, vocab = args.tokens_per_device * n_dev, args.vocab
@@ -99,8 +169,12 @@ def main() -> None:
                              comm_bytes=comm_bytes(compiled.as_text()),
                              temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
                              grad_sharding=str(g.sharding.spec)))
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "sharded.csv")
+    _write(args.out, "sharded.csv", rows)
+
+
+def _write(out: str, name: str, rows: list[dict]) -> None:
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
     keys = sorted({k for r in rows for k in r})
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=keys)
