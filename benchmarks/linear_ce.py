@@ -25,8 +25,10 @@ Time: median / 20th / 80th percentile ms of the host wall of the jitted step cal
 (benchmarks/timing.py; 3 samples at the N=32768 shape). Memory, JAX: `temp_gib`, XLA's
 temporaries (what the step needs beyond its inputs and returned gradients, from the buffer
 assignment), and `device_extra_gib`, the device's peak-bytes counter during one call minus
-what was in use before it and minus the outputs (each JAX case runs in a process of its own on
-a GPU, `--case`, so that counter is the case's alone); `peak_gib` = outputs + temporaries.
+what was in use before it and minus the outputs, read in a process of its own with XLA's
+GEMM autotuning off (its scratch buffers at compile time would set the process's peak;
+`--case --peak-only`), while the timing runs in another (`--case`); `peak_gib` = outputs +
+temporaries.
 PyTorch: `peak_gib` is max_memory_allocated beyond what was allocated before the call,
 gradients included. Rows go to `<out>/linear_ce.csv` with device, versions and commit; each
 shape ends with a one-line summary against the bare matmuls.
@@ -76,25 +78,35 @@ MODES = ("fast", "low_precision", "lean")
 
 
 def _jax_inputs(shape, dtype, layout):
+    """Inputs made on the host and copied over: generating them on the device would leave its
+    peak-bytes counter at the generator's float32 temporaries (2 GiB for a [V, D] weight)."""
     import jax
-    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
 
     n, d, v = shape
-    dt = jnp.dtype(dtype)
-    k = jax.random.split(jax.random.key(0), 4)
-    h = jax.random.normal(k[0], (n, d), jnp.float32).astype(dt)
-    w = (jax.random.normal(k[1], (d, v) if layout == "dv" else (v, d), jnp.float32)
-         * 0.02).astype(dt)
-    y = jax.random.randint(k[2], (n,), 0, v)
-    return h, w, y, k[3]
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16}.get(dtype, dtype)
+    rng = np.random.default_rng(0)
+
+    def normal(shape, scale=1.0):
+        return jax.device_put((rng.standard_normal(shape, np.float32) * scale).astype(np_dtype))
+
+    h = normal((n, d))
+    w = normal((d, v) if layout == "dv" else (v, d), 0.02)
+    y = jax.device_put(rng.integers(0, v, (n,), dtype=np.int32))
+    return h, w, y, normal
 
 
 def _jax_case_names(shape, sweep, limit, note) -> list[str]:
-    """Ours in each mode (default chunk; "low_precision" also at each --chunk-sizes), the XLA
-    twin in "fast", optax naive and the matmul floor."""
+    """Ours in each mode (default chunk, and each --chunk-sizes entry: "C" for
+    low_precision, "mode:C" for another mode), the XLA twin in "fast", optax naive and the
+    matmul floor."""
     n, _, v = shape
     names = [f"ours-triton-{m}" for m in MODES]
-    names += [f"ours-triton-low_precision-c{c}" for c in sweep if c <= n]
+    for entry in sweep:
+        mode, chunk = entry.split(":") if ":" in entry else ("low_precision", entry)
+        if int(chunk) <= n:
+            names.append(f"ours-triton-{mode}-c{int(chunk)}")
     names.append("ours-xla-fast")
     if _fits("optax-naive", n, v, limit, note):
         names.append("optax-naive")
@@ -111,11 +123,11 @@ def _jax_case(name, shape, dtype, layout):
 
     import jax_fusedloss as jfl
 
-    h, w, y, key = _jax_inputs(shape, dtype, layout)
+    h, w, y, normal = _jax_inputs(shape, dtype, layout)
     n, _, v = shape
     logits_of = (lambda h, w: h @ w) if layout == "dv" else (lambda h, w: h @ w.T)
     if name == "matmuls-floor":
-        g = (jax.random.normal(key, (n, v), jnp.float32) * 1e-3).astype(h.dtype)
+        g = normal((n, v), 1e-3)
         if layout == "dv":
             return jax.jit(lambda h, w, g: (h @ w, g @ w.T, h.T @ g)), (h, w, g), ""
         return jax.jit(lambda h, w, g: (h @ w.T, g @ w, g.T @ h)), (h, w, g), ""
@@ -137,60 +149,75 @@ def _jax_case(name, shape, dtype, layout):
         "default chunk_size" if chunk is None else "")
 
 
-def _run_jax_case(name, shape, dtype, layout, few) -> dict:
-    """Times one case and reads its memory: XLA's buffer assignment (temporaries: what the
-    program needs beyond its arguments and outputs) and the device's peak-bytes counter of this
-    process (the peak during one call minus what was in use before it, minus the outputs).
-    Run in a fresh process per case (`--case`), the counter is that case's alone."""
+def _device_extra_bytes(compiled, args) -> int | None:
+    """The device's peak-bytes counter during one call, less what was in use before it and
+    less the outputs: memory beyond inputs and returned outputs, as the allocator saw it."""
     import jax
 
+    dev = jax.devices()[0]
+    before = dev.memory_stats() or {}
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    after = dev.memory_stats() or {}
+    if "peak_bytes_in_use" not in after or "bytes_in_use" not in before:
+        return None
+    if after["peak_bytes_in_use"] <= before.get("peak_bytes_in_use", 0):
+        return None  # an earlier peak (compilation) hides this call's
+    out_bytes = sum(a.nbytes for a in jax.tree.leaves(out))
+    return after["peak_bytes_in_use"] - before["bytes_in_use"] - out_bytes
+
+
+def _run_jax_case(name, shape, dtype, layout, few, peak_only=False) -> dict:
+    """Times one case and reads its memory: XLA's buffer assignment (temporaries: what the
+    program needs beyond its arguments and outputs) and, with `peak_only`, the device's
+    peak-bytes counter (`_device_extra_bytes`) instead of a timing: that run is a process of
+    its own with XLA's GEMM autotuning off (`--case --peak-only`), since the autotuner's
+    scratch buffers at compile time would otherwise set the process's peak."""
     fn, args, note = _jax_case(name, shape, dtype, layout)
     compiled = fn.lower(*args).compile()
     ma = compiled.memory_analysis()
-    dev = jax.devices()[0]
-    stats0 = dev.memory_stats() or {}
-    out = compiled(*args)
-    jax.block_until_ready(out)
-    stats1 = dev.memory_stats() or {}
-    out_bytes = sum(a.nbytes for a in jax.tree.leaves(out))
-    device_peak = None
-    if "peak_bytes_in_use" in stats1 and "bytes_in_use" in stats0:
-        device_peak = stats1["peak_bytes_in_use"] - stats0["bytes_in_use"] - out_bytes
-    del out
-    in_bytes = sum(a.nbytes for a in args)
-    stats = timing.time_jax(lambda: compiled(*args), 1, in_bytes, few)
-    loss = out_loss = float("nan")
-    if name != "matmuls-floor":
-        out_loss = float(compiled(*args)[0])
-    loss = out_loss
-    return dict(framework="jax", impl=name, **stats._asdict(),
-                peak_gib=(ma.output_size_in_bytes + ma.temp_size_in_bytes) / GIB,
-                temp_gib=ma.temp_size_in_bytes / GIB,
-                device_extra_gib=None if device_peak is None else device_peak / GIB,
-                loss=loss, note=note)
+    row = dict(framework="jax", impl=name, peak_gib=(ma.output_size_in_bytes
+                                                    + ma.temp_size_in_bytes) / GIB,
+               temp_gib=ma.temp_size_in_bytes / GIB, note=note)
+    if peak_only:
+        extra = _device_extra_bytes(compiled, args)
+        return dict(row, device_extra_gib=None if extra is None else extra / GIB)
+    stats = timing.time_jax(lambda: compiled(*args), 1, sum(a.nbytes for a in args), few)
+    loss = float("nan") if name == "matmuls-floor" else float(compiled(*args)[0])
+    return dict(row, **stats._asdict(), loss=loss, device_extra_gib=None)
 
 
-def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate):
-    """Every JAX case of one shape, each in its own process when `isolate` (the device's
-    peak counter cannot be reset within a process)."""
+def _case_process(name, shape, dtype, layout, few, peak_only) -> dict:
     import json
     import subprocess
     import sys
 
+    n, d, v = shape
+    cmd = [sys.executable, "-m", "benchmarks.linear_ce", "--case", name, "--n", str(n), "--d",
+           str(d), "--v", str(v), "--dtype", dtype, "--layout", layout, "--out", "-"]
+    cmd += (["--smoke"] if few else []) + (["--peak-only"] if peak_only else [])
+    env = dict(os.environ)
+    if peak_only:
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CASE ")]
+    if proc.returncode or not line:
+        raise RuntimeError(proc.stderr[-1500:])
+    return json.loads(line[-1][5:])
+
+
+def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate):
+    """Every JAX case of one shape; with `isolate` (on a GPU) each timed in a process of its
+    own and its device peak read in another (`_run_jax_case`)."""
     n, d, v = shape
     for name in _jax_case_names(shape, sweep, limit, note):
         try:
             if not isolate:
                 rows.append(_run_jax_case(name, shape, dtype, layout, few))
             else:
-                cmd = [sys.executable, "-m", "benchmarks.linear_ce", "--case", name, "--n",
-                       str(n), "--d", str(d), "--v", str(v), "--dtype", dtype, "--layout",
-                       layout, "--out", "-"] + (["--smoke"] if few else [])
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CASE ")]
-                if proc.returncode or not line:
-                    raise RuntimeError(proc.stderr[-1500:])
-                rows.append(json.loads(line[-1][5:]))
+                row = _case_process(name, shape, dtype, layout, few, False)
+                peak = _case_process(name, shape, dtype, layout, few, True)
+                rows.append(dict(row, device_extra_gib=peak["device_extra_gib"]))
             print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
             traceback.print_exc()
@@ -324,11 +351,13 @@ def main(argv=None) -> None:
     p.add_argument("--d", type=int)
     p.add_argument("--v", type=int)
     p.add_argument("--chunk-sizes", default=None,
-                   help=f"extra chunk sizes of low_precision (default {CHUNKS}; --quick none)")
+                   help="extra chunk sizes: C (low_precision) or mode:C, comma-separated "
+                   f"(default {CHUNKS}; --quick none)")
     p.add_argument("--quick", action="store_true", help=f"only {TARGET}, no chunk sweep")
     p.add_argument("--layout", default="vd", choices=["vd", "dv"],
                    help="weight [V, D] (vd, as the PyTorch anchors) or [D, V] (dv)")
     p.add_argument("--case", help=argparse.SUPPRESS)  # one JAX case in this process
+    p.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                    help="each JAX case in its own process (auto: on a GPU)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -337,14 +366,15 @@ def main(argv=None) -> None:
                    help="skip a naive baseline estimated to need more (80 GB GPU: 64)")
     p.add_argument("--smoke", action="store_true", help="few samples (CPU check of the script)")
     args = p.parse_args(argv)
-    sweep = [int(c) for c in (args.chunk_sizes or (QUICK_CHUNKS if args.quick else CHUNKS))
+    sweep = [c for c in (args.chunk_sizes or (QUICK_CHUNKS if args.quick else CHUNKS))
              .split(",") if c]
     shapes = _shapes(args)
     if args.case:
         import json
 
         (shape,) = shapes.values()
-        row = _run_jax_case(args.case, shape, args.dtype, args.layout, args.smoke)
+        row = _run_jax_case(args.case, shape, args.dtype, args.layout, args.smoke,
+                            args.peak_only)
         print("CASE " + json.dumps(row), flush=True)
         return
     isolate = args.isolate == "yes" or (args.isolate == "auto" and _device_is_gpu())

@@ -25,9 +25,9 @@ def default_chunk_size(n: int, vocab: int, dim: int, dtype, mode: str = DEFAULT_
     """Tokens per chunk when `chunk_size=None` (`jax_fusedloss.kernels.linear_ce.chunk_rows`):
     the largest power of two C (at most N) whose `[C, V]` logits fit `CHUNK_BUDGET_BYTES` (128
     MiB: 512 rows at V=128256 in bf16; their gradient overwrites them in place), but for 16-bit
-    logits in the modes that update dW per chunk at least 512 rows per byte of dW's
-    accumulator (1024 rows with mode="low_precision", 2048 with "fast"), below which the
-    per-chunk dW update turns memory-bound. `dim` does not change it."""
+    logits at least 4096 rows with mode="fast" and 1024 with "low_precision" (each chunk's
+    update of dW reads and writes all of dW: fewer, longer chunks are faster). `dim` does not
+    change it."""
     del dim
     return _lm_head.default_chunk(n, vocab, dtype, mode)
 
@@ -107,16 +107,13 @@ def linear_cross_entropy(
     them in place). The gradients w.r.t. `hidden`, `weight` and `bias` come from one of three
     walks, chosen by `mode`, which trades speed, memory and precision:
 
-    ================  ========================  =========================================
-    mode              memory beyond the chunk   speed, precision of dW
-    ================  ========================  =========================================
-    "fast" (default)  float32 `[D, V]` (dW sum)  three matmuls; float32 sum over chunks
-    "low_precision"   none weight-sized          three matmuls; dW summed in W's dtype,
-                                                 rounded once per chunk (as Liger does)
-    "lean"            float32 `[N, D]` (dH sum)  four matmuls (logits recomputed in the
-                                                 backward); dW exact to float32
-                                                 accumulation, each entry rounded once
-    ================  ========================  =========================================
+    - "fast" (default): three matmuls; dW summed over the chunks in a float32 `[D, V]` buffer
+      (the memory it costs beyond one chunk's logits).
+    - "low_precision": three matmuls; dW summed in the weight's dtype, rounded once per chunk
+      (as Liger does); nothing weight-sized beyond the returned gradient.
+    - "lean": four matmuls (the logits are recomputed in the backward); dW exact to float32
+      accumulation, each entry rounded once; beyond one block of logits only dH's float32
+      `[N, D]` sum.
 
     "fast" and "low_precision" compute the gradients for a unit cotangent in the forward (three
     matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them; "lean" keeps
@@ -144,7 +141,7 @@ def linear_cross_entropy(
         lean backward's blocks hold as many logits (`chunk_size * V`); None for
         `default_chunk_size`: `[C, V]` logits within
         `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but at least 1024
-        rows ("low_precision") or 2048 ("fast") for 16-bit logits, where each chunk's update
+        rows ("low_precision") or 4096 ("fast") for 16-bit logits, where each chunk's update
         of dW reads and writes all of dW (fewer, longer chunks are faster). A ragged last
         chunk is allowed.
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the

@@ -22,8 +22,7 @@ MODES = ("fast", "lean", "low_precision")
 def default_chunk_size(n: int, vocab: int, dtype: torch.dtype, mode: str = "fast") -> int:
     """Tokens per chunk: see jax_fusedloss.linear_cross_entropy.default_chunk_size and
     kernels/linear_ce.py."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return chunk_rows(n, vocab, itemsize, {"fast": 4, "low_precision": itemsize, "lean": 0}[mode])
+    return chunk_rows(n, vocab, torch.empty((), dtype=dtype).element_size(), mode)
 
 
 def _chunk_fwd(z, y, row_scale, o, write_grad):

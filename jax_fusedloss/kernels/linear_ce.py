@@ -18,31 +18,26 @@ import math
 # The default chunk's logits stay within this many bytes (`chunk_size=` overrides it per call):
 # 128 MiB is 512 rows at V=128256 in bf16 ...
 CHUNK_BUDGET_BYTES = 128 << 20
-# ... but a chunk of 16-bit logits keeps at least this many rows per byte of dW's itemsize, so
-# the dW update stays compute-bound: 1024 rows for a bf16 dW ("input" accumulation), 2048 for a
-# float32 one. Measured on H100, bf16, N=8192, D=4096, V=128256, fwd+bwd, x the three bare
-# matmuls / peak GiB beyond the inputs (benchmarks/results/linear_ce_h100.csv):
-#   "input":   C=256 1.89x 1.15 | 512 1.32x 1.21 | 1024 1.16x 1.35 | 2048 1.10x 1.61
-#   "float32": C=256 2.80x 3.05 | 512 1.72x 3.05 | 1024 1.29x 3.06 | 2048 1.16x 3.08
-# (the bound above, ~240 flops per byte, was optimistic: at C=512 the bf16 update is still
-# memory-bound in practice). float32 logits run float32 matmuls (far fewer flops per second:
-# no floor).
-MIN_ROWS_PER_DW_BYTE = 512
+# ... but for 16-bit logits a chunk keeps at least this many rows in the modes that update dW
+# per chunk (each update reads and writes all of dW; fewer, longer chunks are faster). Measured
+# on H100, bf16, N=8192, D=4096, V=128256 ([V, D] weight), fwd+bwd, x the three bare matmuls /
+# XLA temporaries beyond inputs and gradients (benchmarks/results/linear_ce_h100.csv, NOTES.md):
+#   "low_precision": C=512 1.23x 0.17 GiB | 1024 1.10x 0.31 GiB
+#   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.09x 2.08 GiB (the float32 dW dominates)
+# "lean" updates no dW in its forward: the budget alone sets its chunk. float32 logits run
+# float32 matmuls (far fewer flops per second): no floor.
+MIN_ROWS_16BIT = {"fast": 4096, "low_precision": 1024, "lean": 1}
 
 
-def chunk_rows(n: int, vocab: int, itemsize: int, dw_itemsize: int) -> int:
+def chunk_rows(n: int, vocab: int, itemsize: int, mode: str) -> int:
     """Default tokens per chunk: the largest power of two C with `C * vocab * itemsize <=
-    CHUNK_BUDGET_BYTES`, raised to `MIN_ROWS_PER_DW_BYTE * dw_itemsize` for 16-bit logits, at
-    most n (n itself when all n tokens fit). Powers of two divide the usual token counts (no
-    ragged tail) and keep the matmuls' M dimension tile-aligned.
-
-    `itemsize`: the logits' (hidden/weight dtype); `dw_itemsize`: dW's accumulator's (2 for
-    mode "low_precision" with a bf16 weight, 4 for "fast", 0 for "lean", whose forward updates
-    no dW).
-    """
+    CHUNK_BUDGET_BYTES`, raised to `MIN_ROWS_16BIT[mode]` for 16-bit logits, at most n (n
+    itself when all n tokens fit). Powers of two divide the usual token counts (no ragged
+    tail) and keep the matmuls' M dimension tile-aligned. `itemsize`: the logits' (the
+    hidden/weight dtype's)."""
     rows = max(1, CHUNK_BUDGET_BYTES // (vocab * itemsize))
     if itemsize == 2:
-        rows = max(rows, MIN_ROWS_PER_DW_BYTE * dw_itemsize)
+        rows = max(rows, MIN_ROWS_16BIT[mode])
     if n <= rows:
         return max(n, 1)
     chunk = 1
