@@ -1,6 +1,9 @@
 """Launch heuristics shared by the kernel families: pure functions of shapes and dtype.
 
 No device probing: the caller passes the multiprocessor count it knows (132 on H100/H200).
+The measurements behind the constants are in benchmarks/NOTES.md; the one-off tools named
+below (benchmarks/keep_ab.py, ce_instructions.py, registers.py, launch_attrs.py) were retired
+from the tree and are in git history (benchmarks/NOTES.md says where).
 """
 from typing import NamedTuple
 
