@@ -40,9 +40,6 @@ VARIANTS = {  # environment of each worker process (XLA reads XLA_FLAGS once)
     # jax-triton's own lowering: the legacy custom call "triton_kernel_call" (we lower to the
     # typed-FFI "triton_kernel_call_ffi" by default, _triton_jax.call_target).
     "legacy-call": {"JFL_TRITON_CALL": "legacy"},
-    # the few-row reductions' arrival counter as an XLA buffer zero-filled before every launch
-    # (jaxlib's Triton call) instead of our counter launcher's own (_counter_call)
-    "counter-fill": {"JFL_COUNTER_CALL": "0"},
 }
 FIELDS = ["date", "device", "commit", "versions", "variant", "op", "n", "v", "dtype", "impl",
           "us_per_call", "p20_us", "p80_us", "wall_us_per_call", "calls"]

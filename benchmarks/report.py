@@ -6,8 +6,8 @@
 Appends each RUN_CSV's new rows to RESULTS_DIR/results.csv, then, from that file, takes the
 latest row of every case on one device (the most recent device unless --device picks one),
 and writes RESULTS_DIR/table.md and RESULTS_DIR/*.png; with --readme it also rewrites the
-block between `<!-- bench:start -->` and `<!-- bench:end -->` in the README. No number in
-those outputs is typed by hand.
+block between `<!-- bench:start -->` and `<!-- bench:end -->` in the README with the
+headline table (`headline`). No number in those outputs is typed by hand.
 
 The published results (benchmarks/results and the README block) take GPU rows only: rows
 whose device column is "cpu" (the `--cpu-smoke` run) are refused there before anything is
@@ -22,14 +22,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks import shapes, targets
+from benchmarks import shapes
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BEGIN, END = "<!-- bench:start -->", "<!-- bench:end -->"
 OURS = ("jax_fusedloss", "torch_ref")
 CASE_KEY = ("op", "impl", "mode", "n", "v", "k", "dtype")
 PROBLEM_KEY = ("op", "mode", "n", "v", "k", "dtype")
-TARGETS_HEADING = "Benchmark targets we track"
 
 
 class NotGpuRowsError(ValueError):
@@ -162,8 +161,7 @@ def summary_text(rows: list[dict], max_problems: int = 40) -> str:
     """The stdout summary, most important last (a console often keeps only the tail).
 
     Every problem in one line (our rows against the best baseline; left to table.md when
-    there are more than `max_problems`), then the target shapes in full, then the benchmark
-    targets we track, checked.
+    there are more than `max_problems`), then the target shapes in full.
     """
     if not rows:
         return "[report] no rows"
@@ -198,21 +196,55 @@ def summary_text(rows: list[dict], max_problems: int = 40) -> str:
                          f"{r['p20_ms']:>10.4g}-{r['p80_ms']:<9.4g}"
                          f"{r['median_ms'] / r['floor_ms']:>9.2f}{speed:>9}"
                          f"{_gib(r['peak_bytes']):>10}{_mib(beyond_logits(r)):>12}")
-    lines += ["", f"== {TARGETS_HEADING} =="] + [f"  {t}" for t in targets.check(rows)]
     return "\n".join(lines)
 
 
-def markdown(rows: list[dict], full: bool = True, plots: list[str] = (),
+def _footer(rows: list[dict], source: str) -> list[str]:
+    runs = {}
+    for r in rows:
+        runs.setdefault((r["date"], r["commit"], r["versions"]), bandwidth(r))
+    return ["", f"_{rows[0]['device']}; runs: "
+                + "; ".join(f"{d}, commit {c}, {ver}, copy bandwidth {bw / 1e9:.0f} GB/s"
+                            for (d, c, ver), bw in sorted(runs.items()))
+                + f". Drawn by `benchmarks/report.py` from `{source}`._", ""]
+
+
+def headline(rows: list[dict], plots: list[str] = (),
              source: str = "benchmarks/results/results.csv") -> str:
-    """Markdown: the targets checked, the target shape's table, logsumexp's latency, links to
-    `plots`, and with `full` one line per problem; a footer names the device, runs and source.
-    """
+    """The README's block: one line per op and mode at the target shape (ours, its ratio to
+    the floor, the fastest baseline, the speedup, peak memory of both), the plot of time /
+    floor across vocabularies, and the device, dates and versions of the runs."""
+    if not rows:
+        return "_No benchmark rows yet._\n"
+    out = [f"| N={shapes.TARGET_N}, V={shapes.TARGET_V} | jax_fusedloss ms | x floor "
+           "| fastest baseline, ms | speedup | peak GiB, ours / baseline |",
+           "|---|---|---|---|---|---|"]
+    for key, group in _problems(rows).items():
+        mine = [r for r in group if r["impl"] == OURS[0]]
+        if (key[2], key[3]) != (shapes.TARGET_N, shapes.TARGET_V) or not mine:
+            continue
+        r, base = mine[0], best_baseline(group)
+        what = f"{key[0]} {key[1]} {key[5]}" + (f" K={key[4]}" if key[4] else "")
+        tail = (f"{base['impl']} {base['median_ms']:.3g} | "
+                f"{base['median_ms'] / r['median_ms']:.2f}x | "
+                f"{_gib(r['peak_bytes'])} / {_gib(base['peak_bytes'])}" if base
+                else f"- | - | {_gib(r['peak_bytes'])} / -")
+        out.append(f"| {what} | {r['median_ms']:.3g} | {r['median_ms'] / r['floor_ms']:.2f} "
+                   f"| {tail} |")
+    ratio = [p for p in plots if Path(p).stem.startswith("ratio_to_floor")]
+    out += [""] + [f"![{Path(p).stem}]({p})" for p in ratio]
+    return "\n".join(out + _footer(rows, source))
+
+
+def markdown(rows: list[dict], plots: list[str] = (),
+             source: str = "benchmarks/results/results.csv") -> str:
+    """table.md: the target shape's table, logsumexp's latency, one line per problem, links
+    to `plots`; a footer names the device, runs and source."""
     if not rows:
         return "_No benchmark rows yet._\n"
     problems = _problems(rows)
-    out = [f"{TARGETS_HEADING}, checked against these rows:", ""]
-    out += [f"- {t}" for t in targets.check(rows)]
-    head = ["", "| problem | impl | median ms (p20-p80) | x floor | speedup vs best baseline "
+    out = []
+    head = ["| problem | impl | median ms (p20-p80) | x floor | speedup vs best baseline "
             "| peak GiB |", "|---|---|---|---|---|---|"]
     for key, group in problems.items():
         if (key[2], key[3]) != (shapes.TARGET_N, shapes.TARGET_V):
@@ -235,26 +267,18 @@ def markdown(rows: list[dict], full: bool = True, plots: list[str] = (),
             out.append(f"| {r['n']} | {r['impl']} | {r['median_ms'] * 1e3:.3g} "
                        f"({r['p20_ms'] * 1e3:.3g}-{r['p80_ms'] * 1e3:.3g}) "
                        f"| {100 * r['floor_ms'] / r['median_ms']:.0f}% |")
-    if full:
-        out += ["", "Every problem (our rows, and the fastest baseline):", "",
-                "| problem | impl | median ms | x floor | best baseline | its ms | speedup |",
-                "|---|---|---|---|---|---|---|"]
-        for key, group in problems.items():
-            base = best_baseline(group)
-            for r in (r for r in group if is_ours(r["impl"])):
-                tail = (f"{base['impl']} | {base['median_ms']:.3g} | "
-                        f"{base['median_ms'] / r['median_ms']:.2f}" if base else "- | - | -")
-                out.append(f"| {_title(key)} | {r['impl']} | {r['median_ms']:.3g} "
-                           f"| {r['median_ms'] / r['floor_ms']:.2f} | {tail} |")
+    out += ["", "Every problem (our rows, and the fastest baseline):", "",
+            "| problem | impl | median ms | x floor | best baseline | its ms | speedup |",
+            "|---|---|---|---|---|---|---|"]
+    for key, group in problems.items():
+        base = best_baseline(group)
+        for r in (r for r in group if is_ours(r["impl"])):
+            tail = (f"{base['impl']} | {base['median_ms']:.3g} | "
+                    f"{base['median_ms'] / r['median_ms']:.2f}" if base else "- | - | -")
+            out.append(f"| {_title(key)} | {r['impl']} | {r['median_ms']:.3g} "
+                       f"| {r['median_ms'] / r['floor_ms']:.2f} | {tail} |")
     out += [""] + [f"![{Path(p).stem}]({p})" for p in plots]
-    runs = {}
-    for r in rows:
-        runs.setdefault((r["date"], r["commit"], r["versions"]), bandwidth(r))
-    out += ["", f"_{rows[0]['device']}; runs: "
-                + "; ".join(f"{d}, commit {c}, {ver}, copy bandwidth {bw / 1e9:.0f} GB/s"
-                            for (d, c, ver), bw in sorted(runs.items()))
-                + f". Drawn by `benchmarks/report.py` from `{source}`._", ""]
-    return "\n".join(out)
+    return "\n".join(out + _footer(rows, source))
 
 
 def rewrite_readme(readme: Path, block: str) -> bool:
@@ -350,8 +374,7 @@ def write_table(rows: list[dict], out_dir: Path, plots: list[Path] = (),
     """Writes `out_dir`/table.md (every problem) and returns its path."""
     path = Path(out_dir) / "table.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(markdown(rows, full=True, plots=[Path(p).name for p in plots],
-                             source=source))
+    path.write_text(markdown(rows, plots=[Path(p).name for p in plots], source=source))
     return path
 
 
@@ -399,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.readme:
         here = args.readme.resolve().parent
         rel = [os.path.relpath(p, here) for p in written if p.suffix == ".png"]
-        if rewrite_readme(args.readme, markdown(rows, full=False, plots=rel, source=str(source))):
+        if rewrite_readme(args.readme, headline(rows, plots=rel, source=str(source))):
             print(f"[report] rewrote the {BEGIN} block of {args.readme}")
         else:
             print(f"[report] {args.readme} has no {BEGIN} ... {END} block; left untouched")

@@ -23,6 +23,19 @@ def check_logits(x, name: str = "logits") -> None:
         raise _validate.float_dtype_error(name, x.dtype)
 
 
+def as_logits(x, name: str = "logits"):
+    """`x` as a JAX array of float32, bfloat16 or float16 logits, checked (check_logits).
+
+    A NumPy (or other non-JAX) array becomes a JAX array first, by JAX's own rule: with
+    `jax_enable_x64` off (the default) float64 becomes float32, as everywhere in JAX. A float64
+    JAX array (x64 on) is refused: the kernels compute in float32.
+    """
+    if hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, jax.Array):
+        x = jnp.asarray(x)
+    check_logits(x, name)
+    return x
+
+
 def check_int_array(x, name: str, shape: tuple[int, ...], expected: str) -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")

@@ -152,9 +152,9 @@ _apply.defvjp(_apply_fwd, _apply_bwd)
 def apply(op: RowOp, implementation: str | None, x: jax.Array, *aux):
     """Runs `op` on `[N, V]` logits and its `[N, ...]` aux arrays with the requested
     implementation, or the best available one when None: on a CUDA GPU Triton, except for
-    few rows where XLA is measured faster (`kernels.launch.auto_prefers_xla`: only through the
-    legacy custom call); a missing optional dependency, or what an implementation cannot do,
-    falls through to the next."""
+    few rows where XLA is measured faster by the host wall clock
+    (`kernels.launch.auto_prefers_xla`); a missing optional dependency, or what an
+    implementation cannot do, falls through to the next."""
     if implementation is None and _triton_jax.on_cuda_gpu():
         from jax_fusedloss.kernels import launch
 

@@ -22,8 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fusedloss import _counter_call
-
 _INTERPRET_LOCK = threading.Lock()  # the interpreter is not thread-safe
 
 _GPU_EXTRA = 'pip install "jax-fusedloss[gpu]"'
@@ -161,14 +159,10 @@ def call_kind() -> str:
 # target name ("triton_kernel_call_ffi#maxnreg=48"): jax-triton passes the name through to its
 # lowering, where the kernel is compiled, and has no parameter for the cap itself.
 MAXNREG_TAG = "#maxnreg="
-# A launch whose input `i` is a self-resetting arrival counter (zero before the launch and
-# after it, aliased to output `o`, `w` int32 words) carries "#counter=i,o,w" the same way; the
-# rule launches it through _counter_call's handler, which supplies the counter itself.
-COUNTER_TAG = "#counter="
 
 
 def _split_tags(name: str) -> tuple[str, dict[str, str]]:
-    """"target#maxnreg=48#counter=2,5,8" -> ("target", {"maxnreg": "48", "counter": "2,5,8"})."""
+    """"target#maxnreg=48" -> ("target", {"maxnreg": "48"})."""
     base, *tags = name.split("#")
     return base, dict(t.split("=", 1) for t in tags)
 
@@ -215,42 +209,13 @@ def _register_ffi_lowering() -> None:
             opaque = b""
         if not opaque:
             return outs  # a jax-triton that lowers to a typed-FFI call itself: keep its op
-        aliases = dict(params["input_output_aliases"])
-        new = None
-        if "counter" in tags and _counter_call.available():
-            new = _counter_lowering(ctx, args, opaque, aliases, tags["counter"], init)
-        if new is None:
-            ffi = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
-                                       operand_output_aliases=aliases)
-            new = ffi(ctx, *args, opaque=opaque)
+        ffi = jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
+                                   operand_output_aliases=dict(params["input_output_aliases"]))
+        new = ffi(ctx, *args, opaque=opaque)
         op.erase()
         return new
 
     mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
-
-
-def _counter_lowering(ctx, args, opaque: bytes, aliases: dict[int, int], spec: str, init):
-    """The call through _counter_call's handler, without the counter operand and result (the
-    handler supplies its own); the counter's result is the (dead) zero operand itself. None
-    when the kernel is one the handler does not launch (then jaxlib's call is used)."""
-    c_in, c_out, words = (int(v) for v in spec.split(","))
-    try:
-        call = _counter_call.decode_kernel_call(opaque)
-    except ValueError:
-        return None
-    call["image"] = _counter_call.machine_code(call["ptx"], call["capability"],
-                                               lambda: init(0, call["capability"]))
-    attrs = _counter_call.handler_attributes(call, len(args), (c_in, c_out), words)
-    kept = [i for i in range(len(args)) if i != c_in]
-    kept_out = [o for o in range(len(ctx.avals_out)) if o != c_out]
-    sub = ctx.replace(avals_in=[ctx.avals_in[i] for i in kept],
-                      avals_out=[ctx.avals_out[o] for o in kept_out])
-    moved = {kept.index(i): kept_out.index(o) for i, o in aliases.items() if i != c_in}
-    ffi = jax.ffi.ffi_lowering(_counter_call.TARGET, api_version=4,
-                               operand_output_aliases=moved)
-    outs = list(ffi(sub, *[args[i] for i in kept], **attrs))
-    outs.insert(c_out, args[c_in])
-    return outs
 
 
 def _to_torch(a: np.ndarray):
@@ -297,7 +262,7 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
            scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
            num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
            input_output_aliases: dict[int, int] | None = None,
-           maxnreg: int | None = None, counter: int | None = None) -> tuple[jax.Array, ...]:
+           maxnreg: int | None = None) -> tuple[jax.Array, ...]:
     """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
@@ -305,10 +270,7 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
     (XLA copies it first if the input is still live); in the interpreter the kernel writes in
     place over the host copy of the input, so read-after-write hazards show there too.
     `maxnreg` caps the registers a thread on the GPU (plan.Launch.maxnreg; the interpreter
-    has none). `counter` names an input that is a self-resetting arrival counter (int32 zeros
-    aliased to an output, and zero again when the kernel ends: plan.Launch.counter); on a CUDA
-    GPU the launch then goes through _counter_call's handler, which keeps that counter in
-    memory of its own instead of a buffer XLA zero-fills before every launch.
+    has none).
     """
     check_triton_available()
     constexprs = dict(constexprs or {})
@@ -319,9 +281,6 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
         _register_ffi_lowering()
         if maxnreg is not None:
             target = f"{target}{MAXNREG_TAG}{int(maxnreg)}"
-        if counter is not None and target.startswith(FFI_TARGET):
-            words = int(np.prod(inputs[counter].shape))
-            target = f"{target}{COUNTER_TAG}{counter},{aliases[counter]},{words}"
         outs = _jax_triton().triton_call(
             *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
@@ -347,8 +306,7 @@ def run_plan(plan, results: Sequence[str] | None = None,
                       out_shapes=[jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype])
                                   for b in step.outputs],
                       num_warps=step.num_warps, constexprs=step.constexprs,
-                      input_output_aliases=dict(step.aliases), maxnreg=step.maxnreg,
-                      counter=step.counter)
+                      input_output_aliases=dict(step.aliases), maxnreg=step.maxnreg)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
     return tuple(env[name] for name in (plan.results if results is None else results))
 

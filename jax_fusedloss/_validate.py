@@ -89,7 +89,9 @@ def check_rows_shape(shape: tuple[int, ...], name: str) -> None:
 
 
 def float_dtype_error(name: str, dtype) -> TypeError:
-    return TypeError(f"{name}.dtype={dtype} must be one of {FLOAT_DTYPE_NAMES}")
+    hint = (f" (the kernels compute in float32: pass {name}.astype(float32))"
+            if str(dtype) == "float64" else "")
+    return TypeError(f"{name}.dtype={dtype} must be one of {FLOAT_DTYPE_NAMES}{hint}")
 
 
 def integer_dtype_error(name: str, dtype) -> TypeError:

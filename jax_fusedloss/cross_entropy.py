@@ -266,7 +266,7 @@ def cross_entropy(
       >>> labels = jax.random.randint(jax.random.key(1), (4, 8), 0, 1000)
       >>> loss, grad = jax.value_and_grad(cross_entropy)(logits, labels)
     """
-    _common.check_logits(logits)
+    logits = _common.as_logits(logits)
     _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
     _common.check_implementation(implementation)

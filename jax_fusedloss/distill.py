@@ -108,6 +108,7 @@ def distill_loss(
     References:
       Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015.
     """
+    student_logits = _common.as_logits(student_logits, "student_logits")
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     _common.check_int_array(labels, "labels", student_logits.shape[:-1],
                             "student_logits.shape[:-1]")

@@ -311,6 +311,7 @@ def kd_loss(
     References:
       Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015.
     """
+    student_logits = _common.as_logits(student_logits, "student_logits")
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
     lead = student_logits.shape[:-1]

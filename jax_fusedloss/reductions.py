@@ -161,7 +161,7 @@ class _Reductions(_op.RowOp):
 
 def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None):
     """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
-    _common.check_logits(logits)
+    logits = _common.as_logits(logits)
     if labels is not None:
         _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_implementation(implementation)

@@ -86,7 +86,8 @@ def check_transformations(f, *args) -> None:
 
 def compiler_env(**extra: str) -> dict:
     """Environment for a child process that runs the real Triton compiler: no interpreter,
-    fp fusion stated (Triton 3.9 warns otherwise), the repository importable."""
+    fp fusion's default stated too (Triton 3.9 warns otherwise; our launches also pass
+    enable_fp_fusion=True), the repository importable."""
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

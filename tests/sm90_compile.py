@@ -37,7 +37,7 @@ def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int,
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, t in signature.items() if t.startswith("*")}
     sig = dict(signature, **{c: "constexpr" for c in constexprs})
-    options = dict(num_warps=num_warps)
+    options = dict(num_warps=num_warps, enable_fp_fusion=True)  # as jax-triton and torch_ref
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
     return triton.compile(ASTSource(kernel, sig, constexprs, attrs),

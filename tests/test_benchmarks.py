@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report, shapes, targets
+from benchmarks import report, shapes
 from benchmarks.record import CsvSink
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_one_command_cpu_smoke(tmp_path):
         assert "jax=" in r["versions"] and r["date"].endswith("Z"), r
         if r["impl"] != "torch":  # XLA's buffer assignment holds at least the logits
             assert r["peak_bytes"] >= r["n"] * r["v"] * 2, r
-    assert f"== {report.TARGETS_HEADING} ==" in proc.stdout
+    assert "== Target shapes" in proc.stdout
     assert (tmp_path / "table.md").read_text().count("cross_entropy") >= 2
     assert "--readme" not in proc.stdout + proc.stderr  # never suggests publishing CPU rows
     assert "not results" in proc.stdout and "GPU runs only" in proc.stdout
@@ -147,7 +147,7 @@ def test_report_merges_runs_and_draws_plots_tables_and_readme(tmp_path):
     assert "old table" not in text and text.startswith("# Title\n\nBefore.")
     assert text.rstrip().endswith("After.")
     block = text.split(report.BEGIN)[1].split(report.END)[0]
-    assert "jax_fusedloss" in block and "results/cross_entropy_bf16_v128256.png" in block
+    assert "jax_fusedloss" in block and "results/ratio_to_floor_n8192.png" in block
     assert "2026-11-02T00:00:00Z" in block and "2026-11-01" not in block
 
 
@@ -158,23 +158,29 @@ def test_readme_without_markers_is_left_alone(tmp_path):
     assert plain.read_text() == "no markers\n"
 
 
-def test_target_checks_say_met_or_missed(tmp_path):
+def test_headline_is_one_line_per_op_and_mode_at_the_target_shape(tmp_path):
     rows = report.read_rows(_synthetic_csv(tmp_path / "run.csv"))
-    lines = "\n".join(targets.check(rows))
-    assert "bf16 N=8192 V=128256: 1.10x floor (target <= 1.15): MET" in lines
-    assert "bf16 N=8192 V=32000: 1.20x floor (target <= 1.15): MISSED" in lines
-    assert "faster than every baseline" in lines and "MET" in lines
-    assert "kd_loss full fwd_bwd" in lines and "1.50x floor (target <= 1.2): MISSED" in lines
-    assert ("distill_loss T=2 full fwd_bwd bf16 N=8192 V=128256 K=64: 1.19x floor "
-            "(target <= 1.2): MET") in lines
-    assert ("logsumexp N=1 V=128256: 3.0 us per call in a program of 64 = 0.60x the XLA "
-            "formula on float32 (target <= 0.7x): MET") in lines
-    assert ("logsumexp N=8 V=128256: 20.0 us single call, host clock = 1.25x the XLA formula "
-            "on float32 (target <= 0.7x): MISSED") in lines
-    assert "logsumexp N=64" not in lines  # no rows, no line
-    assert "bytes per token" in lines
-    assert report.TARGETS_HEADING in report.summary_text(rows)
-    assert "issue" not in report.summary_text(rows) + report.markdown(rows)
+    block = report.headline(rows, plots=["results/ratio_to_floor_n8192.png"])
+    at_target = {(r["op"], r["mode"], r["dtype"]) for r in rows if r["impl"] == "jax_fusedloss"
+                 and (r["n"], r["v"]) == (shapes.TARGET_N, shapes.TARGET_V)}
+    lines = [ln for ln in block.splitlines() if ln.startswith("| ") and " ms " not in ln]
+    assert len(lines) == len(at_target), block
+    assert "![ratio_to_floor_n8192](results/ratio_to_floor_n8192.png)" in block
+    assert "commit" in block and rows[0]["device"] in block
+    assert "issue" not in report.summary_text(rows) + report.markdown(rows) + block
+
+
+def test_readme_block_is_drawn_from_the_published_csv():
+    """The README's numbers are what benchmarks/report.py draws from results.csv (rerun
+    `python -m benchmarks.report --readme` after a new run)."""
+    results = report.RESULTS_DIR / "results.csv"
+    rows = report.latest(report.read_rows(results))
+    text = (ROOT / "README.md").read_text()
+    block = text.split(report.BEGIN)[1].split(report.END)[0].strip()
+    plots = [f"benchmarks/results/{p.name}" for p in sorted(report.RESULTS_DIR.glob("*.png"))]
+    want = report.headline(rows, plots=plots,
+                           source="benchmarks/results/results.csv").strip()
+    assert block == want, "README bench block differs from benchmarks/results/results.csv"
 
 
 def test_missing_baseline_is_skipped_with_a_note(monkeypatch):

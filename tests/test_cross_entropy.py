@@ -178,3 +178,24 @@ def test_auto_implementation_and_empty_batch():
     """None picks "triton" on a CUDA GPU and "xla" elsewhere; an empty batch gives 0."""
     assert _common.default_implementation() == ("triton" if HAS_GPU else "xla")
     assert float(jax_fusedloss.cross_entropy(jnp.zeros((0, 8)), jnp.zeros((0,), jnp.int32))) == 0
+
+
+def test_numpy_float64_logits_follow_jax_rule():
+    """NumPy float64 logits become float32 as JAX makes them with x64 off (optax accepts them
+    too), for every op that takes logits; a float64 JAX array (x64 on) is refused with a hint."""
+    rng = np.random.default_rng(0)
+    x64 = rng.normal(size=(3, 50))
+    y = np.array([1, 7, 49])
+    want = jax_fusedloss.cross_entropy(jnp.asarray(x64, jnp.float32), y)
+    got = jax_fusedloss.cross_entropy(x64, y)
+    assert got.dtype == jnp.float32 and float(got) == float(want)
+    grad = jax.grad(jax_fusedloss.cross_entropy)(x64, y)
+    assert grad.dtype == jnp.float32 and grad.shape == x64.shape
+    assert jax_fusedloss.logsumexp(x64).dtype == jnp.float32
+    ids = np.argsort(-x64, axis=-1)[:, :4]
+    lp = np.log(np.full((3, 4), 0.25))
+    assert jnp.isfinite(jax_fusedloss.kd_loss(x64, ids, lp))
+    assert jnp.isfinite(jax_fusedloss.distill_loss(x64, y, ids, lp, alpha=0.5))
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError, match=r"float64 .*astype\(float32\)"):
+            jax_fusedloss.cross_entropy(jnp.asarray(x64), y)

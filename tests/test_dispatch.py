@@ -27,10 +27,12 @@ def test_call_target_follows_the_environment_and_jaxlib(monkeypatch):
         _triton_jax.call_target()
 
 
-@pytest.mark.parametrize("family,legacy_rows", [("loss", 64), ("reductions", 8)])
-def test_few_row_table(family, legacy_rows):
-    for n in (1, 8, 64, 4096):
-        assert not launch.auto_prefers_xla(n, 128256, family, "ffi"), n
+@pytest.mark.parametrize("family,ffi_rows,legacy_rows", [("loss", 0, 64), ("reductions", 8, 8)])
+def test_few_row_table(family, ffi_rows, legacy_rows):
+    """Few rows go to the XLA twin where its host wall clock was measured faster: the
+    reductions up to 8 rows through either call, the losses only through the legacy call."""
+    for n in (1, 8, 9, 64, 4096):
+        assert launch.auto_prefers_xla(n, 128256, family, "ffi") == (n <= ffi_rows), n
     assert launch.auto_prefers_xla(1, 128256, family, "legacy")
     assert launch.auto_prefers_xla(legacy_rows, 128256, family, "legacy")
     assert not launch.auto_prefers_xla(legacy_rows + 1, 128256, family, "legacy")

@@ -1,7 +1,7 @@
 """GPU only: how our kernels reach the GPU from XLA. By default a launch lowers to jaxlib's
 typed-FFI Triton call (`_triton_jax.FFI_TARGET`); JFL_TRITON_CALL=legacy gives jax-triton's
 legacy custom call. Both must give bit-identical results (same kernel, same proto), including
-the calls whose output aliases an input (the split forward + gradient's counter buffer), and a
+the calls whose output aliases an input (the split passes' arrival counters), and a
 jax-triton call that is not ours must keep jax-triton's own lowering. A plan's register cap
 (plan.Launch.maxnreg) must reach the GPU through either call and through torch_ref."""
 from __future__ import annotations
@@ -16,14 +16,14 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_fusedloss  # noqa: E402
-from jax_fusedloss import _counter_call, _triton_jax  # noqa: E402
+from jax_fusedloss import _triton_jax  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def _targets(compiled_text: str) -> set[str]:
     found = set()
-    for target in (_triton_jax.FFI_TARGET, _triton_jax.LEGACY_TARGET, _counter_call.TARGET):
+    for target in (_triton_jax.FFI_TARGET, _triton_jax.LEGACY_TARGET):
         if f'custom_call_target="{target}"' in compiled_text:
             found.add(target)
     return found
@@ -47,17 +47,16 @@ def _reductions(x, y):
             jax_fusedloss.token_logprobs(x, y, return_entropy=True, implementation="triton"))
 
 
-@pytest.mark.parametrize("fn,n,vocab,dtype,counter", [
-    (_ce_value_and_grad, 512, 32000, jnp.bfloat16, False),   # one program per row, fused grad
-    (_ce_value_and_grad, 264, 114689, jnp.float32, False),   # split fwd + grad (aliased counter)
-    (_ce_value_and_grad, 264, 229384, jnp.bfloat16, False),  # the same keeping a tile, reg cap
-    (_ce_value_and_grad, 4, 50257, jnp.bfloat16, False),     # few rows: partials + merge
-    (_reductions, 8, 128256, jnp.bfloat16, True),   # split reductions, one launch: the counter
-    (_reductions, 300, 50257, jnp.float16, False),           # launcher's kept counter
+@pytest.mark.parametrize("fn,n,vocab,dtype", [
+    (_ce_value_and_grad, 512, 32000, jnp.bfloat16),   # one program per row, fused grad
+    (_ce_value_and_grad, 264, 114689, jnp.float32),   # split fwd + grad (aliased counter)
+    (_ce_value_and_grad, 264, 229384, jnp.bfloat16),  # the same keeping a tile, reg cap
+    (_ce_value_and_grad, 4, 50257, jnp.bfloat16),     # few rows: partials + merge
+    (_reductions, 8, 128256, jnp.bfloat16),           # split reductions, one launch (counter)
+    (_reductions, 300, 50257, jnp.float16),
 ], ids=lambda p: getattr(p, "__name__", str(p)))
-def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype, counter):
-    """The typed-FFI calls (jaxlib's, and our counter launcher's where a launch has a
-    self-resetting counter) give the legacy call's bits."""
+def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype):
+    """jaxlib's typed-FFI Triton call gives the legacy call's bits."""
     if _triton_jax.call_target() != _triton_jax.FFI_TARGET:
         pytest.skip("this jaxlib has no typed-FFI Triton call")
     keys = jax.random.split(jax.random.key(n + vocab), 2)
@@ -65,8 +64,7 @@ def test_ffi_and_legacy_calls_agree_bitwise(monkeypatch, fn, n, vocab, dtype, co
     y = jax.random.randint(keys[1], (n,), 0, vocab)
     out_ffi, targets_ffi = _run(monkeypatch, "ffi", fn, x, y)
     out_legacy, targets_legacy = _run(monkeypatch, "legacy", fn, x, y)
-    kept = counter and _counter_call.available()
-    assert targets_ffi == {_counter_call.TARGET if kept else _triton_jax.FFI_TARGET}
+    assert targets_ffi == {_triton_jax.FFI_TARGET}
     assert targets_legacy == {_triton_jax.LEGACY_TARGET}
     for a, b in zip(jax.tree.leaves(out_ffi), jax.tree.leaves(out_legacy)):
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -113,6 +111,25 @@ def test_launching_keeps_triton_cache_dir(tmp_path):
     assert f"CACHE={str(tmp_path)!r}" in out, out
 
 
+def _kernel_registers(run) -> list[tuple[str, int]]:
+    """(kernel name, registers a thread) of every kernel launched by `run()`: CUPTI's launch
+    records through torch's profiler's Chrome trace (it sees JAX's kernels too)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return [(e["name"], e.get("args", {}).get("registers per thread"))
+            for e in events if e.get("cat") == "kernel"]
+
+
 @pytest.mark.parametrize("mode", ["ffi", "legacy"])
 def test_register_cap_reaches_the_gpu(monkeypatch, mode):
     """The split forward + gradient keeping a tile of 16-bit rows is capped at
@@ -122,7 +139,6 @@ def test_register_cap_reaches_the_gpu(monkeypatch, mode):
     import torch
 
     import torch_ref
-    from benchmarks.launch_attrs import kernel_records
     from jax_fusedloss.kernels import launch
 
     if mode == "ffi" and _triton_jax.call_target() != _triton_jax.FFI_TARGET:
@@ -143,7 +159,7 @@ def test_register_cap_reaches_the_gpu(monkeypatch, mode):
         torch_ref.cross_entropy(xt, yt).backward()
         torch.cuda.synchronize()
 
-    regs = [r["registers per thread"] for r in kernel_records(run)
-            if r["name"].startswith("ce_split_fused_kernel")]
+    regs = [regs for name, regs in _kernel_registers(run)
+            if name.startswith("ce_split_fused_kernel")]
     assert len(regs) == 2, regs
     assert all(r <= cfg.maxnreg for r in regs), (regs, cfg.maxnreg)

@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jax_fusedloss as jfl  # noqa: E402
-from jax_fusedloss import _counter_call, _triton_jax  # noqa: E402
+from jax_fusedloss import _triton_jax  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 V = 128256
@@ -71,14 +71,22 @@ def test_auto_dispatch_few_rows_is_xla_and_equal(monkeypatch):
     """Through the legacy custom call, implementation=None at N <= AUTO_XLA_MAX_ROWS["legacy"]
     ["loss"] runs the XLA twin (no Triton custom call in the compiled program) and gives the
     Triton path's values and gradients; the reductions switch to Triton above their own
-    (smaller) row count. Through the FFI call it runs Triton from one row."""
+    (smaller) row count. Through the FFI call the losses run Triton from one row and the
+    reductions above AUTO_XLA_MAX_ROWS["ffi"]["reductions"]; implementation="triton" runs
+    Triton at one row either way."""
     from jax_fusedloss.kernels import launch
 
     if _triton_jax.call_target() == _triton_jax.FFI_TARGET:
         x1 = jnp.zeros((1, V), jnp.bfloat16)
-        for fn in (lambda a: jfl.cross_entropy(a, jnp.zeros((1,), jnp.int32)), jfl.logsumexp):
-            text = jax.jit(fn).lower(x1).compile().as_text()
-            assert _triton_jax.FFI_TARGET in text or _counter_call.TARGET in text
+        red = launch.AUTO_XLA_MAX_ROWS["ffi"]["reductions"]
+        for fn, x, triton in (
+                (lambda a: jfl.cross_entropy(a, jnp.zeros((1,), jnp.int32)), x1, True),
+                (jfl.logsumexp, x1, False),
+                (lambda a: jfl.logsumexp(a, implementation="triton"), x1, True),
+                (jfl.logsumexp, jnp.zeros((red, V), jnp.bfloat16), False),
+                (jfl.logsumexp, jnp.zeros((red + 1, V), jnp.bfloat16), True)):
+            text = jax.jit(fn).lower(x).compile().as_text()
+            assert (_triton_jax.FFI_TARGET in text) == triton, (x.shape, triton)
     monkeypatch.setenv("JFL_TRITON_CALL", "legacy")
     n = launch.AUTO_XLA_MAX_ROWS["legacy"]["loss"]
     x = jax.random.normal(jax.random.key(4), (n, V), jnp.bfloat16)

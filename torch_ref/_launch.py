@@ -48,7 +48,9 @@ def launch(kernel, grid: tuple[int, ...], inputs: Sequence[Any], scalars: Sequen
     if not inputs[0].is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise RuntimeError("torch_ref on CPU tensors runs the kernels through Triton's "
                            "interpreter: set TRITON_INTERPRET=1 before triton is imported")
-    extra = {"num_warps": num_warps} if inputs[0].is_cuda else {}
+    # FP fusion (FMA contraction) stated, as jax-triton states it for the JAX path: Triton 3.9
+    # warns that its default turns it off in 3.10, and both frameworks must compile the same.
+    extra = {"num_warps": num_warps, "enable_fp_fusion": True} if inputs[0].is_cuda else {}
     if maxnreg is not None and inputs[0].is_cuda:
         extra["maxnreg"] = maxnreg
     kernel[grid](*inputs, *scalars, *outputs, **extra, **(constexprs or {}))

@@ -1,6 +1,9 @@
 """Launch heuristics shared by the kernel families: pure functions of shapes and dtype.
 
 No device probing: the caller passes the multiprocessor count it knows (132 on H100/H200).
+The measurements behind the constants are in benchmarks/NOTES.md; the one-off tools named
+below (benchmarks/keep_ab.py, ce_instructions.py, registers.py, launch_attrs.py) were retired
+from the tree and are in git history (benchmarks/NOTES.md says where).
 """
 from typing import NamedTuple
 
@@ -160,26 +163,31 @@ KD_IDS_WARPS = 2
 
 # implementation=None on a CUDA GPU: up to this many rows (per op family) the XLA twin runs
 # instead of our kernels, per custom-call target of our launches (_triton_jax.call_target).
+# Decided by what a user sees: the host wall clock of a jitted program, not device time.
 #
-# Through jaxlib's typed-FFI Triton call ("ffi", the default where jaxlib has it) our kernels
-# run inside XLA's command buffers (CUDA graphs) like XLA's own kernels, and Triton is faster
-# at every row count for the reductions and for the loss gradients. Device time per call (GPU
-# span of a jitted program of 64 calls / 64, CUPTI), H100, bf16, V=128256, us, Triton / XLA
-# twin / XLA formula (`benchmarks.fewrows`, benchmarks/results/fewrows_h100_2026-11-24_ffi.csv):
-#   N                   1              8              16             64             128
-#   logsumexp           4.1/4.2/5.1    4.4/6.9/7.0    5.5/9.6/8.4    10.0/16.4/16.3 15.6/26.7/26.6
-#   token_logprobs      4.2/4.4/5.3    4.5/7.9/7.4    5.6/10.7/8.8   10.3/16.9/16.1 15.8/27.0/26.2
-#   cross_entropy       5.3/4.3/5.4    9.2/8.3/11.0   10.1/10.9/9.7  14.7/17.9/17.0 20.6/28.5/27.5
-#   cross_entropy grad  6.8/8.4/9.2    11.1/13.8/15.5 13.5/17.9/21.0 27.1/34.9/60.6 44.8/57.2/114
-# (the loss forward alone is up to 1 us faster on the twin at N <= 8, its gradient 1.6-2.7 us
-# slower; a call cannot know whether it is differentiated when it dispatches: Triton).
+# Reductions ("ffi"): 8. H100, bf16, V=128256, 2026-11-25, host wall per call in a jitted
+# program of 64 calls, 200 back-to-back dispatches (benchmarks/NOTES.md, "Few rows"): at N=1
+# our kernel took 11.07 us (logsumexp) and 13.98 us (token_logprobs) against 3.3-5.0 and
+# 2.5-2.6 us for the XLA formula; at N=8 even a per-site counter launcher (since removed, 6 us
+# faster than the path we ship at N=1) only tied XLA (4.48 vs 4.92, 4.50 vs 4.07 us), so the
+# path we ship loses there too. At N=64 Triton wins with that launcher (10.1 vs 15.8 us of
+# wall) and without it by device time (10.1 vs 16.4 us); N=9-64 without the launcher has no
+# host-wall measurement yet. In a realistic decode step (8 rows after an [8, 4096] x
+# [4096, 128256] matmul) the choice is invisible (351.8 vs 357.0 us).
+#
+# Losses ("ffi"): 0. Device time per call (GPU span of a program of 64 calls / 64, CUPTI, us,
+# Triton / XLA twin / XLA formula, benchmarks/results/fewrows_h100_2026-11-24_ffi.csv):
+#   N                   1              8              64
+#   cross_entropy       5.3/4.3/5.4    9.2/8.3/11.0   14.7/17.9/17.0
+#   cross_entropy grad  6.8/8.4/9.2    11.1/13.8/15.5 27.1/34.9/60.6
+# the gradient is faster on Triton at every N and a call does not know at dispatch whether it
+# will be differentiated; no host-wall measurement says otherwise yet.
 #
 # Through jax-triton's legacy custom call ("legacy": older jaxlibs, or JFL_TRITON_CALL=legacy)
-# every launch ends XLA's command buffer and is launched from the host on its own: the same
-# device time per call was logsumexp 12.4 (N=1) / 12.6 (8) / 15.8 (64), cross_entropy grad
-# 50 / 42 / 57 us (same run); the thresholds below came from the wall clock of such programs
-# (fewrows_h100_2026-11-24.csv: the twin's program was faster up to these row counts).
-AUTO_XLA_MAX_ROWS = {"ffi": {"loss": 0, "reductions": 0},
+# every launch ends XLA's command buffer and is launched from the host on its own; these
+# thresholds came from the wall clock of such programs (fewrows_h100_2026-11-24.csv: the
+# twin's program was faster up to these row counts).
+AUTO_XLA_MAX_ROWS = {"ffi": {"loss": 0, "reductions": 8},
                      "legacy": {"loss": 64, "reductions": 8}}
 
 

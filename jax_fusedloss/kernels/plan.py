@@ -48,10 +48,6 @@ class Launch(NamedTuple):
     # both the same where that matters (launch.SPLIT_FUSED_KEPT). A function of the kernel,
     # its constexprs and warps: jax-triton's compile cache does not key on it.
     maxnreg: int | None = None
-    # The input index of a self-resetting arrival counter (int32 Zeros aliased to an output
-    # that the kernel returns to zero before it ends) or None. Executors may hand the kernel a
-    # counter they keep across launches instead of fresh zeros (_counter_call on CUDA GPUs).
-    counter: int | None = None
 
 
 class Plan(NamedTuple):

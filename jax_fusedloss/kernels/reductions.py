@@ -178,9 +178,9 @@ def red_fwd_kernel(
 ):
     """Grid (N, NUM_SPLITS): the partials of one vocabulary slice; with MERGE the last program
     of a row to finish (an acq_rel arrival count per row: the others' partials are visible to
-    it) also merges the row's partials, writes its outputs and sets the count back to zero
-    (sync starts and ends at zero), so few rows take one launch, not partials + merge;
-    with FINISH (row path, grid (N,)) the whole row in one program and its outputs directly."""
+    it) also merges the row's partials and writes its outputs, so few rows take one launch,
+    not partials + merge; with FINISH (row path, grid (N,)) the whole row in one program and
+    its outputs directly."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -204,9 +204,6 @@ def red_fwd_kernel(
             if tl.atomic_add(sync_ptr + row, 1, sem="acq_rel") == NUM_SPLITS - 1:
                 _red_merge_row(row, part_ptr, labels_ptr, V, lse_ptr, ent_ptr, logp_ptr, lo_ptr,
                                NUM_SPLITS, BLOCK_S, HAS_ENTROPY, HAS_LABEL)
-                # every program of the row has arrived: leave the counter at zero for the
-                # next launch (an executor may keep it across launches, plan.Launch.counter)
-                tl.store(sync_ptr + row, 0)
 
 
 @triton.jit
@@ -305,7 +302,7 @@ def _split_launch(n, vocab, inv_temp, entropy, has_label, cfg, outs=None) -> Lau
                   dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, FINISH=False, ALIGN=cfg.align,
                        HAS_ENTROPY=entropy, HAS_LABEL=has_label, MERGE=merge,
                        NUM_SPLITS=cfg.num_splits, BLOCK_S=merge_block(cfg.num_splits)),
-                  aliases=((2, 5),), counter=2 if merge else None)
+                  aliases=((2, 5),))
 
 
 def red_fwd_plan(n: int, vocab: int, *, inv_temp: float, entropy: bool, has_label: bool,
