@@ -26,19 +26,26 @@ needs. Generated from ``{source}`` by::
 """
 
 
+def _text(text: str) -> str:
+    """Plain text with RST's inline markup characters escaped."""
+    for ch in "\\|*`_":
+        text = text.replace(ch, "\\" + ch)
+    return text
+
+
 def _table(header, rows, widths=None) -> str:
-    lines = [".. list-table::", "   :header-rows: 1"]
+    lines = [".. list-table::", f"   :header-rows: {1 if header else 0}"]
     if widths:
         lines.append(f"   :widths: {' '.join(str(w) for w in widths)}")
     lines.append("")
-    for row in [header] + rows:
+    for row in ([header] if header else []) + rows:
         lines.append(f"   * - {row[0] or ' '}")
         lines.extend(f"     - {cell or ' '}" for cell in row[1:])
     return "\n".join(lines) + "\n"
 
 
 def _checks(case) -> str:
-    return "; ".join(f"``{c.metric}`` <= " + ", ".join(f"{c.tol[d]:g} ({d})"
+    return "; ".join(f"``{c.metric}`` <= " + ", ".join(f"{c.tol[d]:.3g} ({d})"
                                                         for d in case.dtypes)
                      for c in case.checks)
 
@@ -50,6 +57,12 @@ def _cell(row) -> str:
     return MARK.get(status, status)
 
 
+def _literal(text: str) -> str:
+    """`text` as an inline literal (RST markup in error messages stays inert)."""
+    text = " ".join(text.replace("`", "'").split())
+    return f"``{text}``" if text else ""
+
+
 def page_text(rows: list[dict], source: str) -> str:
     first = rows[0]
     impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -58,22 +71,23 @@ def page_text(rows: list[dict], source: str) -> str:
     out = [INTRO.format(source=source, source_path=f"benchmarks/results/{source}")]
     run = [["device", first["device"]], ["date", first["date"]],
            ["versions", first["versions"]], ["commit", first["commit"]]]
-    out += ["The run\n-------\n\n", _table(["", ""], run, [1, 6]), "\n"]
+    out += ["The run\n-------\n\n", _table(None, run, [1, 6]), "\n"]
     out += ["Cases\n-----\n\n"]
-    case_rows = [[f"``{c.name}``", c.op, ", ".join(c.dtypes), c.bug, _checks(c)]
+    case_rows = [[f"``{c.name}``", c.op, ", ".join(c.dtypes), _text(c.bug), _checks(c)]
                  for c in cc.CASES]
     out += [_table(["case", "op", "dtypes", "bug class", "checks (metric <= tolerance)"],
                    case_rows, [3, 1, 1, 6, 4]), "\n"]
     out += ["Metrics\n-------\n\n"]
-    out += [f"- ``{name}``: {' '.join(fn.__doc__.split())}\n" for name, fn in METRICS.items()]
+    out += [f"- ``{name}``: {_text(' '.join(fn.__doc__.split()))}\n" for name, fn in METRICS.items()]
     out += ["\nResults\n-------\n\n"]
     grid = [[f"``{case}`` {dtype}"] + [_cell(cells[(case, dtype, i)])
                                          if (case, dtype, i) in cells else "" for i in impls]
             for case, dtype in keys]
     out += [_table(["case"] + [f"``{i}``" for i in impls], grid), "\n"]
-    notes = sorted({(r["impl"], r["status"], r["detail"]) for r in rows
-                    if r["status"] != "pass" and r["detail"]})
-    if notes:
-        out += ["Notes\n-----\n\n"]
-        out += [f"- ``{impl}`` {MARK[status]}: {detail}\n" for impl, status, detail in notes]
+    failed = [f"- ``{r['case']}`` {r['dtype']}, ``{r['impl']}`` {MARK[r['status']]}: "
+              f"{_literal(r['detail'])}\n" for r in rows if r["status"] in ("FAIL", "error")]
+    missing = sorted({(r["impl"], r["detail"]) for r in rows if r["status"] == "n/a"})
+    if failed or missing:
+        out += ["Notes\n-----\n\n"] + failed
+        out += [f"- ``{impl}`` n/a: {_literal(detail)}\n" for impl, detail in missing]
     return "".join(out)
