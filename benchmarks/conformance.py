@@ -30,12 +30,12 @@ COLUMNS = ("case", "dtype", "op", "impl", "status", "error", "tol", "metric", "d
 def _setup_env() -> bool:
     """Environment before jax or triton is imported; True on a CUDA GPU."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+    # JAX hands freed buffers back at once: jax and torch take turns with N * V > 2**31.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
     from jax_fusedloss._triton_jax import on_cuda_gpu  # imports jax, not triton
 
     gpu = on_cuda_gpu()
-    if gpu:  # hand freed buffers back at once: jax and torch take turns with N*V > 2**31
-        os.environ.setdefault("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
-    else:
+    if not gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     return gpu
 
@@ -89,6 +89,8 @@ def evaluate(case, dtype: str, impl, gpu: bool, inp, expected) -> dict:
     except Exception as e:  # noqa: BLE001 - one implementation's failure is one cell
         msg = " ".join(f"{type(e).__name__}: {e}".split())
         return dict(status="error", detail=msg[:200], seconds=time.perf_counter() - start)
+    finally:
+        ci.release_memory()
     failed = [f"{c.metric}={err:.2g} > {c.tol[dtype]:g} {det}".strip()
               for c, (err, det) in zip(case.checks, errors) if not err <= c.tol[dtype]]
     detail = "; ".join(failed) or "; ".join(d for _, d in errors if d)
@@ -104,8 +106,13 @@ def case_rows(case, dtype: str, impls, gpu: bool):
 
     inp = expected = None
     if not (case.gpu_only and not gpu):
-        inp = case.build(np.random.default_rng(case.seed), dtype, gpu)
-        expected = oracle(case.op, inp, case.opts())
+        try:
+            inp = case.build(np.random.default_rng(case.seed), dtype, gpu)
+            expected = oracle(case.op, inp, case.opts())
+        except Exception as e:  # noqa: BLE001 - a case that cannot be built is one row
+            for impl in impls:
+                yield impl.name, dict(status="error", detail=f"inputs or oracle: {e}"[:200])
+            return
     for impl in impls:
         yield impl.name, evaluate(case, dtype, impl, gpu, inp, expected)
 

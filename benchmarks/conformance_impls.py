@@ -89,6 +89,19 @@ def as_f64(a, rows=None) -> np.ndarray:
     return np.asarray(jnp.asarray(a).astype(jnp.float32)).astype(np.float64)
 
 
+def release_memory() -> None:
+    """Hands torch's cached GPU blocks back, so that the next implementation (JAX or torch) has
+    the memory for the largest case."""
+    if "torch" in sys.modules:
+        import torch
+
+        try:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except RuntimeError:  # a faulted context: the next cells record their own errors
+            pass
+
+
 # ----------------------------------------------------------------------------- JAX columns
 def _jax_call(fn: Callable, inp: Inputs, opts: dict):
     import jax

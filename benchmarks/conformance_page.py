@@ -78,7 +78,8 @@ def page_text(rows: list[dict], source: str) -> str:
     out += [_table(["case", "op", "dtypes", "bug class", "checks (metric <= tolerance)"],
                    case_rows, [3, 1, 1, 6, 4]), "\n"]
     out += ["Metrics\n-------\n\n"]
-    out += [f"- ``{name}``: {_text(' '.join(fn.__doc__.split()))}\n" for name, fn in METRICS.items()]
+    out += [f"- ``{name}``: {_text(' '.join(fn.__doc__.split()))}\n"
+            for name, fn in METRICS.items()]
     out += ["\nResults\n-------\n\n"]
     grid = [[f"``{case}`` {dtype}"] + [_cell(cells[(case, dtype, i)])
                                          if (case, dtype, i) in cells else "" for i in impls]
