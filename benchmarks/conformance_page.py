@@ -16,9 +16,9 @@ the numerical conformance suite of issue 31: one named case per bug class, each 
 independent float64 oracle (the naive formula on the same input values, its gradient by
 autodiff), a metric and a tolerance per dtype, run on jax_fusedloss (Triton from JAX, Triton
 from ``torch_ref``, the XLA twin) and on every other implementation that installs. A cell says
-``pass`` or ``FAIL`` with the measured error of the case's first metric (a failing later check
-is named under *Notes*); ``n/a`` where an implementation lacks the op or an option the case
-needs. Generated from ``{source}`` by::
+``pass`` with the measured error of the case's first metric, or ``FAIL`` with that of the first
+check it fails (every failed check is listed under *Notes*); ``n/a`` where an implementation
+lacks the op or an option the case needs. Generated from ``{source}`` by::
 
     python -m benchmarks.conformance --out DIR --publish     # run, then regenerate this page
     python -m benchmarks.conformance --render {source_path}  # regenerate from the CSV
