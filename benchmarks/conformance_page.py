@@ -72,6 +72,9 @@ def page_text(rows: list[dict], source: str) -> str:
     run = [["device", first["device"]], ["date", first["date"]],
            ["versions", first["versions"]], ["commit", first["commit"]]]
     out += ["The run\n-------\n\n", _table(None, run, [1, 6]), "\n"]
+    if first["device"].startswith("CPU"):
+        out += [".. note::\n   This is a CPU run: Triton's interpreter, no GPU-only case or "
+                "anchor (Liger, Cut Cross-Entropy, torch.compile). The GPU run replaces it.\n\n"]
     out += ["Cases\n-----\n\n"]
     case_rows = [[f"``{c.name}``", c.op, ", ".join(c.dtypes), _text(c.bug), _checks(c)]
                  for c in cc.CASES]
