@@ -187,9 +187,11 @@ VALUE = 1e-5                                          # values accumulate in flo
 
 
 def _near_one(p: float) -> float:
-    """4 float32 ulps of a probability p near 1, relative to 1 - p: the floor of any float32
-    computation of p_y - 1 (or of the loss -log p_y) that rounds p_y first."""
-    return 4 * 2.0**-23 / (1 - p)
+    """8 float32 ulps of a probability p near 1, relative to 1 - p: the floor of a float32
+    computation of p_y - 1 (or of the loss -log p_y) that rounds p_y, or the row's sum
+    1 + sum_{j != y} e^(z_j - z_y), first (measured on CPU: up to 3.9 ulps, ours and the naive
+    float32 formulas alike; the GPU's approximate exp2 and log add some)."""
+    return 8 * 2.0**-23 / (1 - p)
 
 
 def _t(bf16=BF16_GRAD, fp32=FP32_GRAD, fp16=FP16_GRAD) -> dict:
