@@ -38,7 +38,9 @@ def cross_entropy_reference(logits: torch.Tensor, labels: torch.Tensor, *,
     ignored = labels == ignore_index
     bad = ~ignored & ((labels < 0) | (labels >= vocab))
     zy = _take(z, labels.clamp(0, vocab - 1))
-    loss = (1 - label_smoothing) * (lse - zy) + label_smoothing * (lse - z.mean(dim=-1))
+    loss = lse - zy
+    if label_smoothing:  # (not 0 * inf = NaN on a row with -inf logits)
+        loss = (1 - label_smoothing) * loss + label_smoothing * (lse - z.mean(dim=-1))
     if z_loss:
         loss = loss + z_loss * lse**2
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
