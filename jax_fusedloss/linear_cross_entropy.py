@@ -141,9 +141,10 @@ def linear_cross_entropy(
         lean backward's blocks hold as many logits (`chunk_size * V`); None for
         `default_chunk_size`: `[C, V]` logits within
         `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but at least 1024
-        rows ("low_precision") or 4096 ("fast") for 16-bit logits, where each chunk's update
-        of dW reads and writes all of dW (fewer, longer chunks are faster). A ragged last
-        chunk is allowed.
+        rows ("low_precision", "lean") or 4096 ("fast") for 16-bit logits, where each chunk's
+        update of dW reads and writes all of dW or the chunk's GEMM runs short (fewer, longer
+        chunks are faster); the lean backward's blocks then keep the 128 MiB budget. A ragged
+        last chunk is allowed.
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary of `weight` (and `bias`) is split, device i of those axes holding rows
         (for "vd"; columns for "dv") `[i * V_local, (i + 1) * V_local)`; `labels` are global
@@ -185,7 +186,8 @@ def linear_cross_entropy(
     if n == 0:
         loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    block, block_rows = _sizes.vocab_block(n, vocab, chunk)
+    block_chunk = chunk if chunk_size is not None else _sizes.budget_rows(vocab, h.dtype.itemsize)
+    block, block_rows = _sizes.vocab_block(n, vocab, block_chunk)
     ce_opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                         z_loss=zl, softcap=logit_softcap, return_lse=return_lse,
                         implementation="", vocab_axis=vocab_axis)

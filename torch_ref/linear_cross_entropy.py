@@ -7,7 +7,7 @@ import torch
 
 from jax_fusedloss import _validate
 from jax_fusedloss.kernels import cross_entropy as _ce_plans
-from jax_fusedloss.kernels.linear_ce import chunk_rows, vocab_block
+from jax_fusedloss.kernels.linear_ce import budget_rows, chunk_rows, vocab_block
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
 
@@ -77,8 +77,9 @@ def _accumulate(h, w, g, layout, dh, dw, db, start):
 
 
 def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
-    """The lean backward (jax_fusedloss._lm_head._vocab_walk): blocks of vocabulary columns
-    over all tokens (or row chunks of them), dW's block written once, dH summed in float32."""
+    """`chunk`: the block's logits are `chunk * vocab` (jax_fusedloss's block_chunk)."""
+    # The lean backward (jax_fusedloss._lm_head._vocab_walk): blocks of vocabulary columns
+    # over all tokens (or row chunks of them), dW's block written once, dH summed in float32.
     n = h.shape[0]
     vocab = w.shape[1] if layout == "dv" else w.shape[0]
     cols, rows = vocab_block(n, vocab, chunk)
@@ -115,7 +116,7 @@ def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
-                smoothing, z_loss, softcap, return_lse, mode):
+                smoothing, z_loss, softcap, return_lse, mode, block_chunk):
         dim = hidden.shape[-1]
         vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
         h = hidden.reshape(-1, dim).contiguous()
@@ -149,6 +150,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del z, g
         ctx.layout, ctx.chunk, ctx.softcap, ctx.recompute = layout, chunk, softcap, recompute
         ctx.reduction, ctx.hidden_shape, ctx.mode = reduction, hidden.shape, mode
+        ctx.block_chunk = block_chunk
         ctx.has_bias = bias is not None
         if recompute:
             ctx.save_for_backward(h, weight, bias, y, lse, coef)
@@ -162,7 +164,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_lse):
         no_double_backward("linear_cross_entropy")
-        tail = (None,) * 10
+        tail = (None,) * 11
         if not ctx.recompute:
             dh, dw, db = ctx.saved_tensors
             scale = g_loss.float()
@@ -180,7 +182,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         coef = coef * cot[:, None]
         coef[:, 0] += g_lse.reshape(-1).float()
         if ctx.mode == "lean":
-            dh, dw, db = _vocab_walk(h, weight, bias, y, lse, coef, ctx.layout, ctx.chunk,
+            dh, dw, db = _vocab_walk(h, weight, bias, y, lse, coef, ctx.layout, ctx.block_chunk,
                                      ctx.softcap, needs)
             return (None if dh is None else dh.to(h.dtype).reshape(ctx.hidden_shape), dw,
                     None if db is None else db.to(bias.dtype), *tail)
@@ -228,10 +230,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                                                                 logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     n = labels.numel()
+    block_chunk = budget_rows(vocab, hidden.element_size()) if chunk_size is None else None
     if chunk_size is None:
         chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
     else:
         chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    block_chunk = block_chunk or chunk  # the lean backward's blocks: chunk_size * V logits
     if n == 0:  # 0.0 whatever the weight holds (inf/NaN), as cross_entropy; gradients zero
         zero = (hidden.sum() + weight.sum()).float() * 0.0
         zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()
@@ -241,5 +245,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             else loss
     loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, labels, weight_layout, chunk,
                                           ignore_index, reduction, smoothing, z_loss,
-                                          logit_softcap, bool(return_lse), mode)
+                                          logit_softcap, bool(return_lse), mode, block_chunk)
     return (loss, lse) if return_lse else loss
