@@ -15,6 +15,12 @@ IMPLEMENTATIONS = ("triton", "xla")
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
+class UnsupportedError(NotImplementedError):
+    """What no implementation can do (a second-order derivative): `dispatch` re-raises it at
+    once instead of trying the next implementation, whose own NotImplementedError (e.g.
+    "needs a CUDA GPU") would hide the real reason."""
+
+
 def check_logits(x, name: str = "logits") -> None:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
@@ -46,7 +52,8 @@ def dispatch(impls: Mapping[str, Callable], implementation: str | None, *args, *
 
     An implementation raises NotImplementedError for what it cannot do; with
     implementation=None the dispatcher then falls through to the next, while a forced
-    implementation re-raises.
+    implementation re-raises. An UnsupportedError (what no implementation can do) is
+    re-raised at once.
     """
     check_implementation(implementation)
     order = [implementation] if implementation else [default_implementation()]
@@ -54,8 +61,9 @@ def dispatch(impls: Mapping[str, Callable], implementation: str | None, *args, *
     for i, name in enumerate(order):
         try:
             return impls[name](*args, **kwargs)
-        except NotImplementedError:
-            if implementation is not None or i == len(order) - 1:
+        except NotImplementedError as e:
+            if isinstance(e, UnsupportedError) or implementation is not None or \
+                    i == len(order) - 1:
                 raise
     raise AssertionError("unreachable")
 
