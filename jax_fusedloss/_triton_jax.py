@@ -279,18 +279,28 @@ def _torch_dtype(dtype):
 
 
 def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
+    """The kernel through Triton's interpreter in a host callback.
+
+    `buffer_callback`, not `pure_callback`: the latter first `device_put`s its arguments onto
+    CPU device 0, and with several CPU devices (shard_map) the callbacks of devices 1-3 then
+    waited for transfers that could not run while device 0 sat at the next collective's
+    rendezvous waiting for them (a deadlock seen from 128 KiB inputs on). A buffer callback
+    reads each device's own buffers where they are."""
     import torch
+    from jax.experimental.buffer_callback import buffer_callback
 
-    def host(*arrays):
+    def host(ctx, outs, *arrays):
+        del ctx
         with _INTERPRET_LOCK:
-            ins = [_to_torch(a) for a in arrays]
-            outs = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+            ins = [_to_torch(np.asarray(a)) for a in arrays]
+            results = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
             for i, o in aliases.items():  # written in place, as on the GPU: `ins` are copies
-                outs[o] = ins[i]
-            kernel[grid](*ins, *scalars, *outs, **constexprs)
-            return tuple(_to_numpy(o) for o in outs)
+                results[o] = ins[i]
+            kernel[grid](*ins, *scalars, *results, **constexprs)
+            for out, result in zip(outs, results):
+                np.asarray(out)[...] = _to_numpy(result)
 
-    return jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
+    return tuple(buffer_callback(host, tuple(out_shapes), vmap_method="sequential")(*inputs))
 
 
 def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
