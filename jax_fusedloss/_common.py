@@ -7,7 +7,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _triton_jax, _validate
+from jax_fusedloss import _sharding, _triton_jax, _validate
 from jax_fusedloss._validate import (INT32_MAX, INT32_MIN, REDUCTIONS,  # noqa: F401 (re-exported)
                                      check_bool, check_choice)
 
@@ -90,6 +90,44 @@ def check_axis_name(axis):
     if isinstance(axis, (tuple, list)) and axis and all(isinstance(a, str) for a in axis):
         return tuple(axis)
     raise TypeError(f"vocab_axis={axis!r} must be None, a mesh axis name or a tuple of names")
+
+
+def check_vocab_axis(vocab_axis, x, name: str):
+    """`check_axis_name(vocab_axis)`, and inside shard_map a ValueError naming `vocab_axis`
+    when `x` (the logits, or linear_cross_entropy's weight) does not vary over every one of
+    those mesh axes: its vocabulary cannot then be split across them, and treating it as split
+    would count every column once per device (a loss larger by log(axis size)). Outside
+    shard_map (no such axis bound) a ValueError too. Under `shard_map(..., check_vma=False)`
+    JAX tracks no varying axes, so only the first check runs there."""
+    axes = check_axis_name(vocab_axis)
+    if axes is None:
+        return None
+    names = (axes,) if isinstance(axes, str) else axes
+    try:
+        jax.lax.axis_size(names)
+    except NameError as e:
+        raise ValueError(f"vocab_axis={axes!r} names no mesh axis bound here: vocab_axis is "
+                         f"for use inside jax.shard_map only (under jax.jit the ops partition "
+                         f"themselves from the inputs' shardings)") from e
+    if not _vma_checked():
+        return axes
+    varying = _sharding.varying_axes(x)
+    missing = [a for a in names if a not in varying]
+    if missing:
+        raise ValueError(
+            f"vocab_axis={axes!r}: {name} does not vary over mesh axis {missing} (it varies "
+            f"over {sorted(varying)}), so its vocabulary is not split across it: vocab_axis "
+            f"must name the mesh axes that split the last axis of {name} in shard_map's "
+            f"in_specs (use vocab_axis=None when only the tokens are split)")
+    return axes
+
+
+def _vma_checked() -> bool:
+    """Whether JAX tracks varying manual axes here (shard_map's check_vma, on by default)."""
+    from jax._src import config
+
+    flag = getattr(config, "_check_vma", None)
+    return True if flag is None else bool(flag.value)
 
 
 def _reject_traced(value, name: str, kind: str) -> None:

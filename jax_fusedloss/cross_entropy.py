@@ -272,7 +272,7 @@ def cross_entropy(
     _common.check_implementation(implementation)
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap, return_lse=bool(return_lse),
                      implementation="", vocab_axis=vocab_axis)

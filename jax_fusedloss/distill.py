@@ -115,6 +115,7 @@ def distill_loss(
     alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = labels.shape
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
                                 _common.vocab_size(student_logits, vocab_axis))
@@ -132,7 +133,7 @@ def distill_loss(
     row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=True,
                      ignore_index=int(ignore_index), implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis), smoothing=smoothing,
+                     vocab_axis=vocab_axis, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -313,6 +313,7 @@ def kd_loss(
     """
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = student_logits.shape[:-1]
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             vocab_axis=vocab_axis)
@@ -325,6 +326,6 @@ def kd_loss(
     row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=False,
                      ignore_index=-1, implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis))
+                     vocab_axis=vocab_axis)
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -369,7 +369,7 @@ def linear_cross_entropy(
     _common.check_implementation(implementation)
     smoothing, zl, logit_softcap = _common.check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, weight, "weight")
     _common.check_choice(accumulation, "accumulation", ACCUMULATIONS)
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])

@@ -166,7 +166,7 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
         _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_implementation(implementation)
     temperature = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     lead = logits.shape[:-1]
     x = _common.flatten_rows(logits)
     y = None if labels is None else _common.labels_to_int32(
