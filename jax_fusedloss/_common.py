@@ -1,6 +1,8 @@
 """Validation and implementation dispatch shared by every op (trace-time only)."""
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from typing import Callable, Mapping
 
@@ -21,10 +23,11 @@ class UnsupportedError(NotImplementedError):
     "needs a CUDA GPU") would hide the real reason."""
 
 
-def check_logits(x, name: str = "logits") -> None:
+def check_logits(x, name: str = "logits", last: str = "V") -> None:
+    """A float `[..., V]` array (`last`: the last axis' letter, see check_rows_shape)."""
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    _validate.check_rows_shape(tuple(x.shape), name)
+    _validate.check_rows_shape(tuple(x.shape), name, last)
     if x.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise _validate.float_dtype_error(name, x.dtype)
 
@@ -134,8 +137,46 @@ def _reject_traced(value, name: str, kind: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(f"{name} must be a static Python {kind}, got a traced value "
                         f"({type(value).__name__}): it is fixed at trace time, so pass a Python "
-                        f"{kind if kind == 'int' else 'float'} or mark it static, e.g. "
+                        f"{'float' if kind == 'number' else kind} or mark it static, e.g. "
                         f"jax.jit(..., static_argnames=...)")
+
+
+def check_static_bool(value, name: str) -> bool:
+    """`value` as a Python bool: TypeError naming `name` for anything else, a traced value
+    included (a flag shapes the computation at trace time)."""
+    _reject_traced(value, name, "bool")
+    return check_bool(value, name)
+
+
+def as_array(x):
+    """An array-like with `__jax_array__` (a Flax `nnx.Param` or other `nnx.Variable`) as the
+    array it holds, as `jnp` functions take it; anything else as given (validated later)."""
+    if isinstance(x, jax.Array) or not hasattr(x, "__jax_array__"):
+        return x
+    return jnp.asarray(x)
+
+
+def public(fn: Callable) -> Callable:
+    """The public boundary of an op, by `fn`'s annotations: every argument annotated as a
+    `jax.Array` (possibly `| None`) goes through `as_array`, every one annotated `bool` through
+    `check_static_bool`, before `fn` runs."""
+    sig = inspect.signature(fn)
+    arrays = [n for n, p in sig.parameters.items() if "jax.Array" in str(p.annotation)]
+    flags = [n for n, p in sig.parameters.items() if p.annotation in ("bool", bool)]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        values = bound.arguments
+        for name in arrays:
+            if name in values:
+                values[name] = as_array(values[name])
+        for name in flags:
+            if name in values:
+                check_static_bool(values[name], name)
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapper
 
 
 def check_static_float(value, name: str, *, lo: float = -math.inf, hi: float = math.inf,

@@ -80,12 +80,14 @@ def check_ce_options(label_smoothing, z_loss, logit_softcap, *, check=check_floa
 
 
 # ----------------------------------------------------------------------------- shapes
-def check_rows_shape(shape: tuple[int, ...], name: str) -> None:
-    """A `[..., V]` operand: at least one axis, and a nonempty last one."""
+def check_rows_shape(shape: tuple[int, ...], name: str, last: str = "V") -> None:
+    """A `[..., V]` operand (`last` names its last axis: "V" the vocabulary, "D" the hidden
+    dimension of linear_cross_entropy's `hidden`): at least one axis, a nonempty last one."""
+    what = {"V": "the vocabulary axis V", "D": "the hidden dimension D"}.get(last, last)
     if len(shape) < 1:
-        raise ValueError(f"{name}.shape={shape} must have at least one axis [..., V]")
+        raise ValueError(f"{name}.shape={shape} must have at least one axis [..., {last}]")
     if shape[-1] < 1:
-        raise ValueError(f"{name}.shape={shape}: the vocabulary axis must not be empty")
+        raise ValueError(f"{name}.shape={shape}: its last axis ({what}) must not be empty")
 
 
 def float_dtype_error(name: str, dtype) -> TypeError:

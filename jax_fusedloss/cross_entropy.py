@@ -196,6 +196,7 @@ class _CrossEntropy(_op.RowOp):
 check_ce_options = _common.check_ce_options  # shared with distill_loss
 
 
+@_common.public
 def cross_entropy(
     logits: jax.Array,
     labels: jax.Array,

@@ -10,6 +10,7 @@ from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_deno
                               prepare_entries, run_rows)
 
 
+@_common.public
 def distill_loss(
     student_logits: jax.Array,
     labels: jax.Array,

@@ -231,6 +231,7 @@ def mean_denominator(count: jax.Array, num_items) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- public API
+@_common.public
 def kd_loss(
     student_logits: jax.Array,
     teacher_ids: jax.Array,

@@ -277,7 +277,7 @@ _lce.defvjp(_lce_fwd, _lce_bwd)
 
 # ----------------------------------------------------------------------------- public API
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
-    _common.check_logits(hidden, "hidden")
+    _common.check_logits(hidden, "hidden", "D")
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"weight must be an array, got {type(weight).__name__}")
     vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
@@ -289,6 +289,7 @@ def _check_inputs(hidden, weight, labels, bias, weight_layout):
     return vocab
 
 
+@_common.public
 def linear_cross_entropy(
     hidden: jax.Array,
     weight: jax.Array,

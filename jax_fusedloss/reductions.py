@@ -181,6 +181,7 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
 
 
 # ----------------------------------------------------------------------------- public API
+@_common.public
 def logsumexp(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
               vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Log-sum-exp over the last axis, in one read of the logits.
@@ -216,6 +217,7 @@ def logsumexp(logits: jax.Array, *, temperature: float = 1.0, implementation: st
     return _compute(logits, None, temperature, False, implementation, vocab_axis)[0]
 
 
+@_common.public
 def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
             vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Entropy of softmax(logits / temperature) over the last axis, in one read.
@@ -250,6 +252,7 @@ def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str 
     return _compute(logits, None, temperature, True, implementation, vocab_axis)[1]
 
 
+@_common.public
 def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float = 1.0,
                    return_entropy: bool = False, implementation: str | None = None,
                    vocab_axis: str | tuple[str, ...] | None = None,
@@ -292,7 +295,6 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       >>> tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 1000)
       >>> logp, h = token_logprobs(logits, tokens, return_entropy=True)
     """
-    _common.check_bool(return_entropy, "return_entropy")
     if labels is None:
         raise TypeError("labels must be an integer array `[...]`, got None")
     _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation,
@@ -315,6 +317,7 @@ def _accepts_old_max_keyword(fn):
 
 
 @_accepts_old_max_keyword
+@_common.public
 def merge_partials(maximum: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | None = None,
                    *, axis: int = -1) -> tuple[jax.Array, ...]:
     r"""Merges partial softmax statistics of disjoint vocabulary slices along `axis`.
