@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op
+from jax_fusedloss import _common, _op, _validate
 from jax_fusedloss.cross_entropy import check_ce_options
 from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
                               prepare_entries, run_rows)
@@ -86,7 +86,8 @@ def distill_loss(
       normalize: "full" or "topk" (see `kd_loss`).
       reduction: "mean", "sum" or "none".
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
-      temperature_squared: multiply the KD term by T**2.
+      temperature_squared: multiply the KD term by T**2 (a ValueError naming `temperature`
+        where T**2 overflows float32, T > 1.8e19).
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -97,7 +98,7 @@ def distill_loss(
 
     Raises:
       TypeError / ValueError at trace time for bad shapes, dtypes or options (as `kd_loss`,
-      plus labels, alpha and the cross-entropy options).
+      plus labels, alpha, the cross-entropy options and a T**2 that overflows).
 
     Example:
       >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -127,7 +128,8 @@ def distill_loss(
     if n == 0:
         return _op.empty_loss(lead, reduction)
     ce_w = jnp.float32(alpha)
-    kd_w = jnp.float32((1.0 - float(alpha)) * (t * t if temperature_squared else 1.0))
+    kd_w = jnp.float32((1.0 - float(alpha)) * _validate.check_temperature_squared(
+        t, temperature_squared))
     if reduction == "mean":
         ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
         kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
