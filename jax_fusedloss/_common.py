@@ -8,6 +8,7 @@ from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_fusedloss import _sharding, _triton_jax, _validate
 from jax_fusedloss._validate import (INT32_MAX, INT32_MIN, REDUCTIONS,  # noqa: F401 (re-exported)
@@ -228,6 +229,34 @@ def labels_to_int32(labels: jax.Array, ignore_index: int | None, vocab: int) -> 
     if ignore_index is not None and info.min <= ignore_index <= info.max:
         out = jnp.where(labels == ignore_index, jnp.int32(ignore_index), out)
     return out
+
+
+def check_labels(labels: jax.Array, vocab: int, ignore_index: int | None, *,
+                 enabled: bool) -> None:
+    """`check_labels=True` of the ops with labels: a run-time check (a `jax.debug.callback`,
+    so it runs under jit, grad, vmap and shard_map) that raises a ValueError naming the first
+    label outside `[0, vocab)` that is not `ignore_index`, by its index in `labels`, and how
+    many there are. Under jit JAX re-raises it as a JaxRuntimeError carrying that message. A
+    debugging aid: it costs a device-to-host sync per call. `enabled` False: nothing."""
+    if not enabled or labels.size == 0:
+        return
+    flat = labels.reshape(-1)
+    y = labels_to_int32(flat, ignore_index, vocab)  # wide labels range-checked at their width
+    bad = (y < 0) | (y >= vocab)
+    if ignore_index is not None:
+        bad = bad & (y != ignore_index)
+    first = jnp.argmax(bad)
+    host = functools.partial(_raise_bad_label, shape=tuple(labels.shape), vocab=vocab,
+                             ignore_index=ignore_index)
+    jax.debug.callback(host, jnp.sum(bad), first, flat[first])
+
+
+def _raise_bad_label(count, first, value, *, shape, vocab, ignore_index) -> None:
+    if int(count):
+        index = ", ".join(str(int(i)) for i in np.unravel_index(int(first), shape))
+        ignored = "" if ignore_index is None else f" and is not ignore_index={ignore_index}"
+        raise ValueError(f"labels[{index}]={int(value)} lies outside [0, {vocab}){ignored}: "
+                         f"{int(count)} such label(s) (found by check_labels=True)")
 
 
 def vocab_size(logits, vocab_axis) -> int:

@@ -207,6 +207,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -242,6 +243,10 @@ def cross_entropy(
       logit_softcap: c > 0 for `c * tanh(logits / c)` (Gemma-2 style), or None.
       return_lse: also return float32 `[...]` lse of z for every token, ignored or not
         (differentiable too).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary axis of `logits` is split, device i of those axes holding columns
@@ -260,7 +265,8 @@ def cross_entropy(
 
     A label outside `[0, V)` that is not `ignore_index` is never used as an address: that
     token's loss is NaN (so a "mean" or "sum" is NaN too, loudly) and its gradient row is NaN;
-    other tokens' per-token losses and gradient rows are unaffected.
+    other tokens' per-token losses and gradient rows are unaffected. `check_labels=True` finds
+    such a label.
 
     Example:
       >>> logits = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -279,8 +285,9 @@ def cross_entropy(
                      implementation="", vocab_axis=vocab_axis)
     lead = labels.shape
     x = _common.flatten_rows(logits)
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(logits, vocab_axis))
+    vocab = _common.vocab_size(logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     if x.shape[0] == 0:
         loss = _op.empty_loss(lead, reduction)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss

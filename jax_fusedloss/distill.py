@@ -28,6 +28,7 @@ def distill_loss(
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
     temperature_squared: bool = False,
+    check_labels: bool = False,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
@@ -88,6 +89,10 @@ def distill_loss(
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
       temperature_squared: multiply the KD term by T**2 (a ValueError naming `temperature`
         where T**2 overflows float32, T > 1.8e19).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -119,8 +124,9 @@ def distill_loss(
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = labels.shape
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(student_logits, vocab_axis))
+    vocab = _common.vocab_size(student_logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     active = y != ignore_index
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             active, vocab_axis)

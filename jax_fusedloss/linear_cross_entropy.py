@@ -303,6 +303,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
     implementation: str | None = None,
     chunk_size: int | None = None,
     accumulation: str = "float32",
@@ -329,6 +330,7 @@ def linear_cross_entropy(
       weight_layout: "dv" or "vd".
       ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as in
         `cross_entropy`; "mean" divides by the number of non-ignored tokens of the batch.
+      check_labels: as in `cross_entropy`.
       implementation: None (Triton cross-entropy kernels on a CUDA GPU, XLA elsewhere),
         "triton" or "xla"; the matmuls are XLA's either way.
       chunk_size: tokens per chunk (>= 1), or None for `default_chunk_size`: the chunk's
@@ -391,6 +393,7 @@ def linear_cross_entropy(
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     loss, lse = _common.dispatch_op(_lce, implementation, h, weight, bias, y, opts=opts)
     if reduction == "none":
         loss = loss.reshape(lead)

@@ -159,7 +159,8 @@ class _Reductions(_op.RowOp):
         return _call(self.opts, "bwd", self.has_label, res.x, lse, ent, cot, *res.inputs)[0]
 
 
-def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None):
+def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None,
+             check_labels: bool = False):
     """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
     _common.check_logits(logits)
     if labels is not None:
@@ -169,8 +170,11 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
     vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     lead = logits.shape[:-1]
     x = _common.flatten_rows(logits)
-    y = None if labels is None else _common.labels_to_int32(
-        labels.reshape(-1), None, _common.vocab_size(logits, vocab_axis))
+    y = None
+    if labels is not None:
+        vocab = _common.vocab_size(logits, vocab_axis)
+        y = _common.labels_to_int32(labels.reshape(-1), None, vocab)
+        _common.check_labels(labels, vocab, None, enabled=check_labels)
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
@@ -254,7 +258,8 @@ def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str 
 
 @_common.public
 def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float = 1.0,
-                   return_entropy: bool = False, implementation: str | None = None,
+                   return_entropy: bool = False, check_labels: bool = False,
+                   implementation: str | None = None,
                    vocab_axis: str | tuple[str, ...] | None = None,
                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Log-probability of each label under softmax(logits / temperature), and its entropy.
@@ -274,6 +279,10 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       labels: `[...]` integer token ids in `[0, V)`.
       temperature: a static float > 0.
       return_entropy: also return the entropy `[...]`.
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` (its index and value, and how many there are), checked at run time through
+        `jax.debug.callback` (under `jax.jit` JAX re-raises it as a `JaxRuntimeError`
+        carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -298,7 +307,7 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
     if labels is None:
         raise TypeError("labels must be an integer array `[...]`, got None")
     _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation,
-                            vocab_axis)
+                            vocab_axis, check_labels)
     return (logp, ent) if return_entropy else logp
 
 

@@ -114,3 +114,55 @@ def test_nnx_variables_as_every_array_argument(fn_name):
                                     else {"implementation": "xla"}))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert_close(g, w, rtol=0.0, what=f"{fn_name} of nnx.Variable inputs vs arrays")
+
+
+# ----------------------------------------------------------------------------- check_labels
+def _label_ops(labels):
+    """name -> loss of (logits [2, 3, V] or hidden [2, 3, D]) with `labels` [2, 3] and
+    check_labels=True, and the ignore_index it takes (None: every label must be in range)."""
+    teacher = jax.random.normal(jax.random.key(3), (2, 3, V), jnp.float32)
+    lp, ids = jax.lax.top_k(jax.nn.log_softmax(teacher), K)
+    w = jax.random.normal(jax.random.key(4), (D, V), jnp.float32)
+    return {
+        "cross_entropy": (lambda x: jfl.cross_entropy(
+            x, labels, check_labels=True, implementation="xla"), -100),
+        "token_logprobs": (lambda x: jfl.token_logprobs(
+            x, labels, check_labels=True, implementation="xla").sum(), None),
+        "distill_loss": (lambda x: jfl.distill_loss(
+            x, labels, ids, lp, alpha=0.5, check_labels=True, implementation="xla"), -100),
+        "linear_cross_entropy": (lambda h: jfl.linear_cross_entropy(
+            h[..., :D], w, labels, check_labels=True, implementation="xla"), -100),
+    }
+
+
+LABEL_OPS = ["cross_entropy", "token_logprobs", "distill_loss", "linear_cross_entropy"]
+
+
+@pytest.mark.parametrize("op", LABEL_OPS)
+@pytest.mark.parametrize("bad", [-1, V, 2**40])
+def test_check_labels_names_the_first_out_of_range_label(op, bad):
+    x = jax.random.normal(jax.random.key(0), (2, 3, V))
+    dtype = jnp.int64 if bad > 2**31 else jnp.int32
+    with jax.enable_x64(dtype == jnp.int64):
+        labels = jnp.array([[1, 2, 3], [4, 5, 6]], dtype).at[1, 1].set(bad).at[1, 2].set(bad)
+        fn, ignore = _label_ops(labels)[op]
+        ignored = "" if ignore is None else f" and is not ignore_index={ignore}"
+        message = (rf"labels\[1, 1\]={bad} lies outside \[0, {V}\){ignored}: 2 such label\(s\) "
+                   rf"\(found by check_labels=True\)")
+        with pytest.raises(ValueError, match=message):
+            jax.block_until_ready(fn(x))
+        with pytest.raises(Exception, match=message):  # jit: JAX's runtime error carries it
+            jax.block_until_ready(jax.jit(jax.value_and_grad(fn))(x))
+
+
+@pytest.mark.parametrize("op", LABEL_OPS)
+def test_check_labels_passes_valid_and_ignored_labels(op):
+    x = jax.random.normal(jax.random.key(0), (2, 3, V))
+    labels = jnp.array([[0, V - 1, 3], [4, 5, 6]])
+    fn, ignore = _label_ops(labels)[op]
+    if ignore is not None:
+        labels = labels.at[0, 2].set(ignore)
+        fn, _ = _label_ops(labels)[op]
+    value, grad = jax.jit(jax.value_and_grad(fn))(x)
+    assert np.isfinite(float(value)) and bool(jnp.isfinite(grad).all()), (
+        f"{op}: valid labels {labels.tolist()} gave loss {value}")
