@@ -97,12 +97,14 @@ def check_axis_name(axis):
 
 
 def check_vocab_axis(vocab_axis, x, name: str):
-    """`check_axis_name(vocab_axis)`, and inside shard_map a ValueError naming `vocab_axis`
-    when `x` (the logits, or linear_cross_entropy's weight) does not vary over every one of
-    those mesh axes: its vocabulary cannot then be split across them, and treating it as split
-    would count every column once per device (a loss larger by log(axis size)). Outside
-    shard_map (no such axis bound) a ValueError too. Under `shard_map(..., check_vma=False)`
-    JAX tracks no varying axes, so only the first check runs there."""
+    """`check_axis_name(vocab_axis)`, then ValueErrors naming `vocab_axis` where it cannot be
+    right: outside shard_map (no such axis bound); inside `shard_map(..., check_vma=False)`,
+    where JAX tracks no varying axes (so the split cannot be checked) and transposes an output
+    replicated over `vocab_axis` by dividing its cotangent by the axis size, which the fused
+    backward (no collective under differentiation) would pass on as a gradient too small by
+    that factor; and where `x` (the logits, or linear_cross_entropy's weight) does not vary
+    over every one of those axes: its vocabulary is then not split across them, and treating
+    it as split would count every column once per device (a loss larger by log(axis size))."""
     axes = check_axis_name(vocab_axis)
     if axes is None:
         return None
@@ -114,7 +116,10 @@ def check_vocab_axis(vocab_axis, x, name: str):
                          f"for use inside jax.shard_map only (under jax.jit the ops partition "
                          f"themselves from the inputs' shardings)") from e
     if not _vma_checked():
-        return axes
+        raise ValueError(f"vocab_axis={axes!r} needs jax.shard_map's check_vma=True (the "
+                         f"default): with check_vma=False JAX tracks no varying axes to check "
+                         f"the split against, and its gradient convention would scale the "
+                         f"gradient by 1 / (size of vocab_axis)")
     varying = _sharding.varying_axes(x)
     missing = [a for a in names if a not in varying]
     if missing:

@@ -166,3 +166,14 @@ def test_check_labels_passes_valid_and_ignored_labels(op):
     value, grad = jax.jit(jax.value_and_grad(fn))(x)
     assert np.isfinite(float(value)) and bool(jnp.isfinite(grad).all()), (
         f"{op}: valid labels {labels.tolist()} gave loss {value}")
+
+
+def test_vocab_axis_outside_shard_map_is_an_error():
+    x, y, ids, lp, h, w = _inputs()
+    for call in (lambda: jfl.cross_entropy(x, y, vocab_axis="model"),
+                 lambda: jfl.kd_loss(x, ids, lp, vocab_axis="model"),
+                 lambda: jfl.logsumexp(x, vocab_axis=("data", "model")),
+                 lambda: jfl.linear_cross_entropy(h, w, y, vocab_axis="model")):
+        with pytest.raises(ValueError, match=r"vocab_axis=.*names no mesh axis bound here: "
+                                             r"vocab_axis is for use inside jax.shard_map"):
+            call()

@@ -124,3 +124,52 @@ def test_vocab_axis_the_logits_are_not_split_over_is_an_error(op, impl, interpre
     assert "VALUEERROR" in out and "vocab_axis=" in out and "'model'" in out, (
         f"{op} ({impl}) with logits not split over vocab_axis='model' should raise a ValueError "
         f"naming vocab_axis, got:\n{out}")
+
+
+VOCAB_SPLIT = PRELUDE + """
+import sys
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+n, v = 8, 12
+x = jax.random.normal(jax.random.key(0), (n, v)) * 2
+lp, ids = jax.lax.top_k(jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (n, v))), 3)
+t, check_vma = float(sys.argv[1]), sys.argv[2] == "1"
+
+def local(x, ids, lp):
+    loss = jfl.kd_loss(x, ids, lp, temperature=t, reduction="sum", implementation="xla",
+                       vocab_axis="model")
+    return loss[None]  # no psum: its transpose differs under check_vma=False
+
+def f(x):
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("data", "model"), P("data", None),
+                                                     P("data", None)),
+                         out_specs=P("data"), check_vma=check_vma)(x, ids, lp).sum()
+
+try:
+    loss, grad = jax.jit(jax.value_and_grad(f))(x)
+except ValueError as e:
+    print("VALUEERROR", e)
+    sys.exit(0)
+want, want_grad = jax.value_and_grad(lambda x: jfl.kd_loss(
+    x, ids, lp, temperature=t, reduction="sum", implementation="xla"))(x)
+print("LOSS", float(loss), float(want))
+print("GRADERR", float(jnp.abs(grad - want_grad).max()))
+"""
+
+
+@pytest.mark.parametrize("temperature", [2.0, 1e300])
+def test_vocab_split_kd_matches_one_device(temperature, interpreter):
+    """A correct vocab_axis passes the check; the vocabulary-parallel merge takes a temperature
+    whose float32 reciprocal underflows (it divided by T: -inf / inf = NaN)."""
+    out = _run(VOCAB_SPLIT, str(temperature), "1")
+    got, want = (float(t) for t in out.split("LOSS")[1].split()[:2])
+    assert abs(got - want) <= 1e-5 * abs(want) + 1e-6, (
+        f"T={temperature}: vocabulary-split loss {got} != one-device loss {want}")
+    err = float(out.split("GRADERR")[1].split()[0])
+    assert err < 1e-6, f"T={temperature}: gradient max abs difference {err} from one device"
+
+
+def test_vocab_axis_under_check_vma_false_is_an_error(interpreter):
+    """check_vma=False: no varying axes to check, and the gradient came out divided by the
+    vocabulary axis size (kd_loss, cross_entropy)."""
+    out = _run(VOCAB_SPLIT, "2.0", "0")
+    assert "VALUEERROR vocab_axis='model' needs jax.shard_map's check_vma=True" in out, out
