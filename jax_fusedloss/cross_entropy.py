@@ -253,7 +253,9 @@ def cross_entropy(
         `[i * V_local, (i + 1) * V_local)`; `labels` are global ids. Partial statistics are
         merged with one all-gather of O(N) floats and each device gets the gradient of its
         slice. Under `jax.jit` with sharded inputs nothing is needed: the op partitions itself
-        (see the README's Multi-GPU section).
+        (see the README's Multi-GPU section). A ValueError naming `vocab_axis` outside
+        shard_map, under `shard_map(..., check_vma=False)`, or for an axis the logits do not
+        vary over (their vocabulary is not split across it).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -261,7 +263,9 @@ def cross_entropy(
 
     Raises:
       TypeError / ValueError at trace time for non-float logits, non-integer labels, a shape
-      mismatch, or an unknown option.
+      mismatch, an unknown option, a traced or non-bool `return_lse` / `check_labels`, or a
+      `vocab_axis` that does not split the logits. NotImplementedError for a second-order
+      derivative (grad of grad, `jax.hessian`).
 
     A label outside `[0, V)` that is not `ignore_index` is never used as an address: that
     token's loss is NaN (so a "mean" or "sum" is NaN too, loudly) and its gradient row is NaN;
