@@ -279,13 +279,10 @@ def _torch_dtype(dtype):
 
 
 def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
-    """The kernel through Triton's interpreter in a host callback.
-
-    `buffer_callback`, not `pure_callback`: the latter first `device_put`s its arguments onto
-    CPU device 0, and with several CPU devices (shard_map) the callbacks of devices 1-3 then
-    waited for transfers that could not run while device 0 sat at the next collective's
-    rendezvous waiting for them (a deadlock seen from 128 KiB inputs on). A buffer callback
-    reads each device's own buffers where they are."""
+    """The kernel through Triton's interpreter in a `buffer_callback`, which reads each
+    device's buffers in place: `pure_callback` first puts its arguments on CPU device 0, and
+    inside shard_map on 4 CPU devices the other devices' callbacks waited for those transfers
+    while device 0 waited for them at the next psum (a deadlock from 128 KiB inputs on)."""
     import torch
     from jax.experimental.buffer_callback import buffer_callback
 
