@@ -286,8 +286,7 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
     import torch
     from jax.experimental.buffer_callback import buffer_callback
 
-    def host(ctx, outs, *arrays):
-        del ctx
+    def host(_ctx, outs, *arrays):
         with _INTERPRET_LOCK:
             ins = [_to_torch(np.asarray(a)) for a in arrays]
             results = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
