@@ -196,6 +196,7 @@ class _CrossEntropy(_op.RowOp):
 check_ce_options = _common.check_ce_options  # shared with distill_loss
 
 
+@_common.public
 def cross_entropy(
     logits: jax.Array,
     labels: jax.Array,
@@ -206,6 +207,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -241,13 +243,19 @@ def cross_entropy(
       logit_softcap: c > 0 for `c * tanh(logits / c)` (Gemma-2 style), or None.
       return_lse: also return float32 `[...]` lse of z for every token, ignored or not
         (differentiable too).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary axis of `logits` is split, device i of those axes holding columns
         `[i * V_local, (i + 1) * V_local)`; `labels` are global ids. Partial statistics are
         merged with one all-gather of O(N) floats and each device gets the gradient of its
         slice. Under `jax.jit` with sharded inputs nothing is needed: the op partitions itself
-        (see the README's Multi-GPU section).
+        (see the README's Multi-GPU section). A ValueError naming `vocab_axis` outside
+        shard_map, under `shard_map(..., check_vma=False)`, or for an axis the logits do not
+        vary over (their vocabulary is not split across it).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -255,11 +263,14 @@ def cross_entropy(
 
     Raises:
       TypeError / ValueError at trace time for non-float logits, non-integer labels, a shape
-      mismatch, or an unknown option.
+      mismatch, an unknown option, a traced or non-bool `return_lse` / `check_labels`, or a
+      `vocab_axis` that does not split the logits. NotImplementedError for a second-order
+      derivative (grad of grad, `jax.hessian`).
 
     A label outside `[0, V)` that is not `ignore_index` is never used as an address: that
     token's loss is NaN (so a "mean" or "sum" is NaN too, loudly) and its gradient row is NaN;
-    other tokens' per-token losses and gradient rows are unaffected.
+    other tokens' per-token losses and gradient rows are unaffected. `check_labels=True` finds
+    such a label.
 
     Example:
       >>> logits = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -272,14 +283,15 @@ def cross_entropy(
     _common.check_implementation(implementation)
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap, return_lse=bool(return_lse),
                      implementation="", vocab_axis=vocab_axis)
     lead = labels.shape
     x = _common.flatten_rows(logits)
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(logits, vocab_axis))
+    vocab = _common.vocab_size(logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     if x.shape[0] == 0:
         loss = _op.empty_loss(lead, reduction)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss

@@ -4,12 +4,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op
+from jax_fusedloss import _common, _op, _validate
 from jax_fusedloss.cross_entropy import check_ce_options
 from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
                               prepare_entries, run_rows)
 
 
+@_common.public
 def distill_loss(
     student_logits: jax.Array,
     labels: jax.Array,
@@ -27,6 +28,7 @@ def distill_loss(
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
     temperature_squared: bool = False,
+    check_labels: bool = False,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
@@ -85,7 +87,12 @@ def distill_loss(
       normalize: "full" or "topk" (see `kd_loss`).
       reduction: "mean", "sum" or "none".
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
-      temperature_squared: multiply the KD term by T**2.
+      temperature_squared: multiply the KD term by T**2 (a ValueError naming `temperature`
+        where T**2 overflows float32, T > 1.8e19).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -96,7 +103,7 @@ def distill_loss(
 
     Raises:
       TypeError / ValueError at trace time for bad shapes, dtypes or options (as `kd_loss`,
-      plus labels, alpha and the cross-entropy options).
+      plus labels, alpha, the cross-entropy options and a T**2 that overflows).
 
     Example:
       >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -116,9 +123,11 @@ def distill_loss(
     alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = labels.shape
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(student_logits, vocab_axis))
+    vocab = _common.vocab_size(student_logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     active = y != ignore_index
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             active, vocab_axis)
@@ -126,14 +135,15 @@ def distill_loss(
     if n == 0:
         return _op.empty_loss(lead, reduction)
     ce_w = jnp.float32(alpha)
-    kd_w = jnp.float32((1.0 - float(alpha)) * (t * t if temperature_squared else 1.0))
+    kd_w = jnp.float32((1.0 - float(alpha)) * _validate.check_temperature_squared(
+        t, temperature_squared))
     if reduction == "mean":
         ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
         kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
     row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=True,
                      ignore_index=int(ignore_index), implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis), smoothing=smoothing,
+                     vocab_axis=vocab_axis, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -64,7 +64,8 @@ def _vp_gathers(x, ids, y, opts: KDOptions, axes):
                         else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
     m_all = jax.lax.pmax(m, axes)
     shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
-    weights = (jnp.exp(shift), jnp.exp(shift / opts.temperature), 1.0)  # sums relative to m
+    weights = (jnp.exp(shift), jnp.exp(shift * _validate.inverse_temperature(opts.temperature)),
+               1.0)  # sums relative to m
     sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
     total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
     merged = iter(total[..., i] for i in range(len(sums)))
@@ -231,6 +232,7 @@ def mean_denominator(count: jax.Array, num_items) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- public API
+@_common.public
 def kd_loss(
     student_logits: jax.Array,
     teacher_ids: jax.Array,
@@ -280,7 +282,9 @@ def kd_loss(
         dtype, used in float32). Entries with probability 0 (log-prob -inf) add nothing.
       mask: `[..., K]` bool or 0/1: which entries count; None = all. An entry counts where
         `mask != 0`, so a float mask's NaN or 0.5 counts as True.
-      temperature: T > 0, a Python float, dividing the student logits.
+      temperature: T > 0, a Python float, dividing the student logits (as a multiply by
+        1 / T in float32, at least float32's smallest normal number: above T = 8.5e37 the
+        student softmax is uniform to float32 precision either way).
       normalize: "full" or "topk".
       reduction: "mean" (the sum over tokens divided by the number of tokens with at least
         one counting entry, 0 when there is none, or by `num_items`), "sum" or "none" (float32
@@ -314,6 +318,7 @@ def kd_loss(
     student_logits = _common.as_logits(student_logits, "student_logits")
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = student_logits.shape[:-1]
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             vocab_axis=vocab_axis)
@@ -326,6 +331,6 @@ def kd_loss(
     row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=False,
                      ignore_index=-1, implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis))
+                     vocab_axis=vocab_axis)
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

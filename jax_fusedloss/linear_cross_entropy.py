@@ -69,7 +69,7 @@ class _LinearCE(_lm_head.HeadOp):
 
 
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
-    _common.check_logits(hidden, "hidden")
+    _common.check_logits(hidden, "hidden", "D")
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"weight must be an array, got {type(weight).__name__}")
     vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
@@ -81,6 +81,7 @@ def _check_inputs(hidden, weight, labels, bias, weight_layout):
     return vocab
 
 
+@_common.public
 def linear_cross_entropy(
     hidden: jax.Array,
     weight: jax.Array,
@@ -94,6 +95,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
     mode: str = DEFAULT_MODE,
     implementation: str | None = None,
     chunk_size: int | None = None,
@@ -134,6 +136,7 @@ def linear_cross_entropy(
       weight_layout: "dv" or "vd".
       ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as in
         `cross_entropy`; "mean" divides by the number of non-ignored tokens of the batch.
+      check_labels: as in `cross_entropy`.
       mode: "fast", "low_precision" or "lean" (the table above).
       implementation: None (Triton cross-entropy kernels on a CUDA GPU, XLA elsewhere),
         "triton" or "xla"; the matmuls are XLA's either way.
@@ -175,8 +178,7 @@ def linear_cross_entropy(
     _common.check_implementation(implementation)
     smoothing, zl, logit_softcap = _common.check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    return_lse = _common.check_bool(return_lse, "return_lse")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, weight, "weight")
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]
@@ -196,6 +198,7 @@ def linear_cross_entropy(
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     loss, lse = _lm_head.apply(_LinearCE(ce_opts, head), implementation, h, weight, bias, y)
     if reduction == "none":
         loss = loss.reshape(lead)
