@@ -96,6 +96,12 @@ class HeadOp:
         """The backward's rows for the vocabulary block starting at column `offset`."""
         raise NotImplementedError
 
+    def shift_block(self, rows: tuple, offset, size: int) -> tuple:
+        """The backward's rows for the `size` vocabulary columns starting at `offset` (the
+        vocabulary walk calls this; default `shift`). An op whose backward row function
+        treats a label outside the block as an error (token log-probs) needs the width."""
+        return self.shift(rows, offset)
+
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
 
@@ -226,7 +232,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=()):
         dh, dw, db = carry
         wb = _slice(w, start, size, axis=vdim)
         bb = None if b is None else _slice(b, start, size)
-        shifted = op.shift(rows, first + start)
+        shifted = op.shift_block(rows, first + start, size)
 
         def part(r0, rs, acc):
             dh, dwb, dbb = acc
