@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op, _sharding, _triton_jax
+from jax_fusedloss import _common, _op, _sharding, _triton_jax, _weights
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import cross_entropy as _xla_ce
 from jax_fusedloss._xla import reductions as _xla_red
@@ -134,18 +134,6 @@ def _call(opts: CEOptions, role: str, *arrays):
 
 
 # ----------------------------------------------------------------------------- the op
-def _denominator(y, opts: CEOptions):
-    if opts.reduction != "mean":
-        return jnp.float32(1.0)
-    return jnp.maximum(jnp.sum(y != opts.ignore_index), 1).astype(jnp.float32)
-
-
-def _reduce(loss_rows, denom, opts: CEOptions):
-    if opts.reduction == "none":
-        return loss_rows
-    return jnp.sum(loss_rows) / denom
-
-
 def _row_cotangent(g_loss, n, opts: CEOptions):
     return g_loss.astype(jnp.float32) if opts.reduction == "none" else jnp.broadcast_to(
         g_loss.astype(jnp.float32), (n,))
@@ -154,12 +142,13 @@ def _row_cotangent(g_loss, n, opts: CEOptions):
 @dataclasses.dataclass(frozen=True)
 class _CrossEntropy(_op.RowOp):
     """(x, y) -> (loss, lse). Row functions: x, y, row_scale -> loss, lse, coef [N, 3]
-    (+ grad); the weighting rule: "mean" gives every row 1 / (count of non-ignored labels).
+    (+ grad); the weighting rule (`_weights`): row i gets w_i / denominator, where "mean"'s
+    denominator is the count (or weight sum) of the counted labels, or `num_items`.
     The recompute folds the cotangents into the coefficients: a * cot + g_lse for the softmax
     term (lse's own gradient is the softmax), b * cot and c * cot (coef [N, 5] = (a, b, c,
     lse_lo * w, w): the last two carry the lse's low part and stay as they are)."""
     opts: CEOptions
-    num_aux = 1
+    num_aux = 3  # labels, per-token weights [N], the denominator (a scalar)
 
     @property
     def fuses_grad(self) -> bool:
@@ -172,12 +161,13 @@ class _CrossEntropy(_op.RowOp):
     def call(self, role, *arrays):
         return _call(self.opts, role, *arrays)
 
-    def row_inputs(self, y):
-        return y, jnp.broadcast_to(1.0 / _denominator(y, self.opts), y.shape)
+    def row_inputs(self, y, w, denom):
+        return y, _weights.row_scale(w, denom)
 
-    def primal(self, outs, y):
+    def primal(self, outs, y, w, denom):
         loss, lse, _ = outs
-        return _reduce(loss, _denominator(y, self.opts), self.opts), lse
+        return _weights.reduce(loss, y, w, denom, self.opts.ignore_index,
+                               self.opts.reduction), lse
 
     def saved(self, outs):
         return outs[1:]  # lse, coef
@@ -186,7 +176,7 @@ class _CrossEntropy(_op.RowOp):
         return _row_cotangent(cts[0], n, self.opts)
 
     def recompute(self, res, cot, cts):
-        (y, _), (lse, coef) = res.inputs, res.stats
+        (y, *_), (lse, coef) = res.inputs, res.stats
         # (a, b, c) scale with the loss cotangent; the lse_lo fields (3, 4) stay exact.
         c = coef.at[:, :3].multiply(cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
         return _call(self.opts, "bwd", res.x, y, lse, c)[0]
@@ -208,6 +198,9 @@ def cross_entropy(
     logit_softcap: float | None = None,
     return_lse: bool = False,
     check_labels: bool = False,
+    weights: jax.Array | None = None,
+    where: jax.Array | None = None,
+    num_items: int | jax.Array | None = None,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -247,6 +240,15 @@ def cross_entropy(
         `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
         checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
         a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
+      weights: optional float `[...]` per-token weights (broadcast against `labels`): each
+        token's loss is multiplied by its weight (any sign), folded into the fused gradient
+        (no extra pass); "mean" then divides by the sum of the counted tokens' weights (taken
+        as 1 where it is 0). The weights get no gradient.
+      where: optional bool `[...]` (broadcast against `labels`, optax's convention): False
+        counts as ignored.
+      num_items: the denominator of "mean" (an int >= 1 or a scalar array) instead of the
+        count or weight sum, e.g. the token count of a whole accumulated batch when this call
+        sees one micro-batch (as `kd_loss`); no gradient.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary axis of `logits` is split, device i of those axes holding columns
@@ -288,6 +290,7 @@ def cross_entropy(
                      z_loss=z_loss, softcap=softcap, return_lse=bool(return_lse),
                      implementation="", vocab_axis=vocab_axis)
     lead = labels.shape
+    _weights.check(weights, where, num_items, reduction, lead)
     x = _common.flatten_rows(logits)
     vocab = _common.vocab_size(logits, vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
@@ -295,7 +298,8 @@ def cross_entropy(
     if x.shape[0] == 0:
         loss = _op.empty_loss(lead, reduction)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    loss, lse = _op.apply(_CrossEntropy(opts), implementation, x, y)
+    rows = _weights.prepare(y, lead, ignore_index, reduction, weights, where, num_items)
+    loss, lse = _op.apply(_CrossEntropy(opts), implementation, x, *rows)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss
