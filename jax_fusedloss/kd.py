@@ -141,7 +141,8 @@ def kd_loss(
         Q_t = \textstyle\sum_{j \notin \mathcal{D}} \mathrm{softmax}(s)_j
 
     (:math:`Q_t` summed over the tail columns themselves, not as :math:`1 - \sum_d Q_d`; an id
-    listed twice is one bucket) and, over the K+1 buckets b (zero-mass terms add nothing),
+    listed twice is one bucket; :math:`P_t = 0` when the ids cover the whole vocabulary) and,
+    over the K+1 buckets b (zero-mass terms add nothing),
 
     .. math::
         \text{"kl"}: \sum_b P_b (\log P_b - \log Q_b), \qquad

@@ -4,7 +4,8 @@ one tail bucket.
 
 Per row, with s = z / T (z the softcapped logits), q = softmax(s) over the whole vocabulary,
 D the distinct valid teacher ids, P_d the teacher's probability of id d (the sum of p_k over the
-entries listing d), P_t = max(0, 1 - sum_k p_k), Q_d = q_d and Q_t = sum_{j not in D} q_j:
+entries listing d), P_t = max(0, 1 - sum_k p_k) (0 when D is the whole vocabulary), Q_d = q_d
+and Q_t = sum_{j not in D} q_j:
 
     kl  = sum_b P_b (log P_b - log Q_b)
     jsd = sum_b beta P_b (log P_b - log M_b) + (1 - beta) Q_b (log Q_b - log M_b),
@@ -126,7 +127,10 @@ def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, offset=0, vstats=Non
     lQ = rounded((zk - r[:, None]) * inv_t) - lgS[:, None]
     lP = _log_teacher(lp, sum_p, count)
     P = p.sum(axis=1)
-    P_t = jnp.maximum(0.0, 1.0 - P)
+    # no tail bucket when the ids cover the vocabulary (a residual there is the teacher's
+    # rounding: its student mass is exactly 0)
+    covers = jnp.sum(first, axis=1) >= (width if vocab is None else vocab)
+    P_t = jnp.where(covers, 0.0, jnp.maximum(0.0, 1.0 - P))
     lPt, lQt = _log(P_t), lgS_t - lgS
     if opts.divergence == "kl":
         ids_term = jnp.where(first & (sum_p > 0), sum_p * (lP - lQ), 0.0).sum(axis=1)

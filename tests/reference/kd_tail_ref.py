@@ -24,7 +24,7 @@ def tail_tokens(student_logits, teacher_ids, teacher_logprobs, mask=None, *,
     onehot = (teacher_ids[..., None] == jnp.arange(vocab)) & valid[..., None]  # [..., K, V]
     teacher = jnp.sum(jnp.where(onehot, p[..., None], 0.0), axis=-2)  # P_d over the vocabulary
     in_ids = onehot.any(-2)
-    p_tail = jnp.maximum(0.0, 1.0 - p.sum(-1))
+    p_tail = jnp.where(in_ids.all(-1), 0.0, jnp.maximum(0.0, 1.0 - p.sum(-1)))
     q_tail = jnp.sum(jnp.where(in_ids, 0.0, q), axis=-1)
     big_p = jnp.concatenate([jnp.where(in_ids, teacher, 0.0), p_tail[..., None]], axis=-1)
     big_q = jnp.concatenate([jnp.where(in_ids, q, 0.0), q_tail[..., None]], axis=-1)
