@@ -110,3 +110,31 @@ def distill_loss(student_logits, labels, teacher_ids, teacher_logprobs, mask=Non
 def linear_logits(hidden, weight, bias=None, weight_layout="dv"):
     z = hidden @ (weight if weight_layout == "dv" else weight.T)
     return z if bias is None else z + bias
+
+
+def gathered_tokens(logits, teacher_ids, teacher_logprobs, *, temperature=1.0, tail=False,
+                    divergence="kl", beta=0.5):
+    """The naive per-token divergence without a one-hot (distinct, valid ids: a teacher's top-K
+    from jax.lax.top_k): full float32 log-softmax, a gather, and for the tail the log-sum-exp of
+    the logits with the ids set to -inf. What "naive XLA" means in the GPU test and benchmark."""
+    s = logits.astype(jnp.float32) / temperature
+    lse = jax.nn.logsumexp(s, axis=-1)
+    lq = jnp.take_along_axis(s, teacher_ids, axis=-1) - lse[..., None]
+    lp = teacher_logprobs.astype(jnp.float32)
+    p = jnp.exp(lp)
+    if not tail:
+        return jnp.sum(p * (lp - lq), axis=-1)
+    rows = jnp.arange(s.shape[0])[:, None]
+    lqt = jax.nn.logsumexp(s.at[rows, teacher_ids].set(-jnp.inf), axis=-1) - lse
+    pt = jnp.maximum(0.0, 1.0 - p.sum(-1))
+    lpt = jnp.log(jnp.where(pt > 0, pt, 1.0))
+    big_lp = jnp.concatenate([lp, lpt[:, None]], axis=-1)
+    big_lq = jnp.concatenate([lq, lqt[:, None]], axis=-1)
+    big_p = jnp.concatenate([p, pt[:, None]], axis=-1)
+    if divergence == "kl":
+        return jnp.sum(jnp.where(big_p > 0, big_p * (big_lp - big_lq), 0.0), axis=-1)
+    lm = jnp.logaddexp(jnp.log(beta) + jnp.where(big_p > 0, big_lp, -jnp.inf),
+                       jnp.log1p(-beta) + big_lq)
+    term = (jnp.where(big_p > 0, beta * big_p * (big_lp - lm), 0.0)
+            + (1 - beta) * jnp.exp(big_lq) * (big_lq - lm))
+    return term.sum(-1)
