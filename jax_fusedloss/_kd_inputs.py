@@ -94,8 +94,8 @@ def row_scales(n: int, terms, weights, reduction: str, num_items) -> jax.Array:
     cols = []
     w = jnp.ones((n,), jnp.float32) if weights is None else weights
     for coef, counted in terms:
-        if counted is None:  # a term the op does not have (kd_loss's cross-entropy)
-            cols.append(jnp.zeros((n,), jnp.float32))
+        if counted is None:  # a term the op does not have (kd_loss's cross-entropy); like w, so
+            cols.append(jnp.zeros_like(w))  # the stack's operands share a sharding (Explicit)
             continue
         col = jnp.float32(coef) * w
         if reduction == "mean":
