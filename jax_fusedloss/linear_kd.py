@@ -120,9 +120,10 @@ def linear_distill_loss(
       hidden, weight, bias, weight_layout, mode, chunk_size, vocab_axis, implementation: as in
         `linear_kd_loss`.
       labels: `[...]` integer class ids in `[0, V)`, or `ignore_index`.
-      teacher_ids, teacher_logprobs, mask, alpha, temperature, ignore_index, label_smoothing,
-        z_loss, logit_softcap, normalize, reduction, num_items, temperature_squared, tail,
-        divergence, beta, weights, where: as in `distill_loss`.
+      teacher_ids, teacher_logprobs, mask, alpha: as in `distill_loss`.
+      temperature, ignore_index, label_smoothing, z_loss, logit_softcap: as in `distill_loss`.
+      normalize, reduction, num_items, temperature_squared: as in `distill_loss`.
+      tail, divergence, beta, weights, where: as in `distill_loss` (and `kd_loss`).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none").
