@@ -206,3 +206,28 @@ def test_gpu_real_size(fn, opts):
             g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
             rel = np.linalg.norm(g - r) / max(np.linalg.norm(r), 1e-30)
             assert rel < 2e-2, (mode, name, rel)
+
+
+@pytest.mark.parametrize("fn, mode, reduction", [("kd", "fast", "mean"),
+                                                 ("distill", "low_precision", "none")])
+def test_torch_ref_matches_float64(interpreter, fn, mode, reduction):
+    """torch_ref's linear forms (the KD kernels on torch matmuls' chunks) against float64."""
+    torch = pytest.importorskip("torch")
+    import torch_ref
+
+    inputs = make_inputs(n=5, vocab=45)
+    h, w, b, y, ids, lp, mask, wt = (torch.from_numpy(np.array(a)) for a in inputs)
+    h, w, b = (t.clone().requires_grad_(True) for t in (h, w, b))
+    opts = dict(temperature=2.0, weights=wt, reduction=reduction, mode=mode, chunk_size=2)
+    if fn == "kd":
+        out = torch_ref.linear_kd_loss(h, w, ids, lp, mask, bias=b, **opts)
+    else:
+        out = torch_ref.linear_distill_loss(h, w, y.long(), ids, lp, mask, bias=b, alpha=0.4,
+                                            **opts)
+    obj = (out * torch.arange(1, out.numel() + 1).reshape(out.shape)).sum()
+    obj.backward()
+    got = (obj.detach().numpy(), (h.grad.numpy(), w.grad.numpy(), b.grad.numpy()))
+    ref_opts = dict(temperature=2.0, weighted=True, reduction=reduction)
+    if fn == "distill":
+        ref_opts["alpha"] = 0.4
+    compare(got, reference(fn, inputs, **ref_opts), 2e-5, f"torch_ref {fn} {mode}")
