@@ -231,3 +231,16 @@ def test_torch_ref_matches_float64(interpreter, fn, mode, reduction):
     if fn == "distill":
         ref_opts["alpha"] = 0.4
     compare(got, reference(fn, inputs, **ref_opts), 2e-5, f"torch_ref {fn} {mode}")
+
+
+def test_benchmark_cpu_smoke(tmp_path):
+    """benchmarks/linear_kd.py runs end to end at a tiny shape and writes its CSV."""
+    from benchmarks import linear_kd
+
+    cases = "matmuls-floor,naive-kd-tail,kd-xla-lean-tail,logits-kd-jsd"
+    linear_kd.main(["--out", str(tmp_path), "--smoke", "--n", "16", "--d", "8", "--v", "64",
+                    "--k", "4", "--only", cases])
+    rows = (tmp_path / "linear_kd.csv").read_text().splitlines()
+    assert len(rows) == 1 + len(cases.split(",")), rows
+    naive, ours = (float(r.split(",")[-1]) for r in rows[2:4])
+    assert abs(naive - ours) < 1e-3 * max(1.0, abs(naive)), rows
