@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fusedloss
-from jax_fusedloss._xla import chunks
+from jax_fusedloss._xla import chunks, kd_tail
 from tests.reference import jax_ref
 from tests.reference import kd_tail_ref as ref
 
@@ -108,7 +108,7 @@ def test_chunked_vocabulary_walk(monkeypatch, name):
     """The GPU/TPU walk of the XLA rows (vocabulary chunks, row blocks) on CPU."""
     monkeypatch.setattr(chunks, "CHUNKED_ON_CPU", True)
     monkeypatch.setattr(chunks, "CHUNK", 16)
-    monkeypatch.setattr(chunks, "ROW_BLOCK_BYTES", 4 * V * 4)
+    monkeypatch.setattr(kd_tail, "TAIL_BLOCK_BYTES", 4 * V * 4)  # blocks of 4 rows (and 2)
     opts = dict(CASES.get(name) or DISTILL[name])
     check("distill", dict(opts, alpha=0.4))
 
@@ -206,3 +206,24 @@ def test_validation_names_the_argument(kwargs, error, match):
         jax_fusedloss.kd_loss(x, ids, lp, mask, **kwargs)
     with pytest.raises(error, match=match):
         jax_fusedloss.distill_loss(x, y, ids, lp, mask, alpha=0.5, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_gpu_real_size(divergence):
+    """kd_loss(tail=True) at N=8192, V=128256, K=64 bf16 against the gather-based naive XLA
+    formula (full float32 log-softmax) in loss and gradient."""
+    n, vocab, k = 8192, 128256, 64
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = (jax.random.normal(keys[0], (n, vocab)) * 2).astype(jnp.bfloat16)
+    t = x.astype(jnp.float32) + jax.random.normal(keys[1], (n, vocab))
+    lp, ids = jax.jit(lambda t: jax.lax.top_k(jax.nn.log_softmax(t), k))(t)
+    del t
+    ours = jax.jit(jax.value_and_grad(lambda x: jax_fusedloss.kd_loss(
+        x, ids, lp, tail=True, divergence=divergence)))(x)
+    naive = jax.jit(jax.value_and_grad(lambda x: jnp.mean(ref.gathered_tokens(
+        x, ids, lp, tail=True, divergence=divergence))))(x)
+    np.testing.assert_allclose(float(ours[0]), float(naive[0]), rtol=1e-3)
+    g, r = (np.asarray(a, np.float32) for a in (ours[1], naive[1]))
+    rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert rel < 1e-2, rel

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jax_fusedloss._xla import cross_entropy as _ce
 from jax_fusedloss._xla.chunks import (ROW_BLOCK_BYTES, carry_like, lse_parts, rounded,
-                                       safe_max, transform, write_chunks)
+                                       safe_max, transform, whole_rows, write_chunks)
 from jax_fusedloss._xla.kd import _duplicate_sums, _entries, vocab_stats
 
 # Per-row statistics, float32 [N, TAIL_FIELDS]: (lse(z), lgS, lgS_t, ce_a, kd_a, r, lg_x,
@@ -33,6 +33,9 @@ from jax_fusedloss._xla.kd import _duplicate_sums, _entries, vocab_stats
 # folds its cotangent into them); q_j = exp((z_j - r) / T - lgS), q_j / Q_t = exp((z_j - r) / T
 # - lgS_t).
 TAIL_FIELDS = 10
+# Off the CPU, tail_sums takes blocks of rows whose float32 copy is at most this size (few,
+# long steps: a loop step of a few rows is launch-bound on a GPU); on the CPU, ROW_BLOCK_BYTES.
+TAIL_BLOCK_BYTES = 512 << 20
 
 
 def _log(a):
@@ -47,7 +50,7 @@ def tail_sums(x, cols, ref, opts):
     without ids gets Q_t = 1 exactly."""
     n, w = x.shape
     inv_t = 1.0 / opts.temperature
-    r = min(n, max(1, ROW_BLOCK_BYTES // (4 * w)))
+    r = min(n, max(1, (ROW_BLOCK_BYTES if whole_rows() else TAIL_BLOCK_BYTES) // (4 * w)))
 
     def block(start):
         xb = jax.lax.dynamic_slice_in_dim(x, start, r)
