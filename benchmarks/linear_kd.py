@@ -3,6 +3,7 @@
 against the copy floor.
 
     source .whl/gpu-env.sh && python3 -m benchmarks.linear_kd --out $OUT/linear_kd
+    python3 -m benchmarks.linear_kd --out $OUT/linear_kd --only matmuls,logits-  # a subset
     python -m benchmarks.linear_kd --out /tmp/lkd --smoke --n 64 --d 32 --v 1000 --k 8  # CPU
 
 Default shape N=8192, D=4096, V=128256, K=64, bf16, weight `[V, D]`. Rows:
@@ -115,7 +116,8 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=4096)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--k", type=int, default=64)
-    ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--only", default="",
+                    help="comma-separated case-name prefixes (e.g. matmuls,naive-kd,kd-)")
     ap.add_argument("--smoke", action="store_true", help="one sample per case (CPU check)")
     args = ap.parse_args(argv)
     import jax
@@ -137,7 +139,7 @@ def main(argv=None) -> None:
         if new:
             writer.writeheader()
         for name in cases(args.smoke):
-            if args.only and name not in args.only.split(","):
+            if args.only and not name.startswith(tuple(args.only.split(","))):
                 continue
             try:
                 fn, fargs, floor_bytes = _case(name, *inputs)
