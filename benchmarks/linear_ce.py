@@ -53,7 +53,7 @@ FIELDS = ["date", "device", "commit", "versions", "n", "d", "v", "dtype", "layou
 SHAPES = {"llama3-8b": (8192, 4096, 128256), "gemma2-2b": (8192, 2304, 256000),
           "llama3-8b-n32k": (32768, 4096, 128256)}
 TARGET = "llama3-8b"
-CHUNKS, QUICK_CHUNKS = "512,2048", ""
+CHUNKS, QUICK_CHUNKS = "", ""  # chunk sweeps are opt-in (--chunk-sizes)
 # Shapes with more logits than this (N=32768 at V=128256: 4.2e9) are timed with 3 samples
 # (timing's smoke plan): a call there takes ~0.15 s, steady enough, and keeps the whole run
 # near 5 minutes on an H100.
@@ -206,9 +206,9 @@ def _case_process(name, shape, dtype, layout, few, peak_only) -> dict:
     return json.loads(line[-1][5:])
 
 
-def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate):
+def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate, peak=True):
     """Every JAX case of one shape; with `isolate` (on a GPU) each timed in a process of its
-    own and its device peak read in another (`_run_jax_case`)."""
+    own and, with `peak`, its device peak read in another (`_run_jax_case`)."""
     n, d, v = shape
     for name in _jax_case_names(shape, sweep, limit, note):
         try:
@@ -216,8 +216,10 @@ def _jax_cases(shape, dtype, layout, sweep, few, limit, rows, note, isolate):
                 rows.append(_run_jax_case(name, shape, dtype, layout, few))
             else:
                 row = _case_process(name, shape, dtype, layout, few, False)
-                peak = _case_process(name, shape, dtype, layout, few, True)
-                rows.append(dict(row, device_extra_gib=peak["device_extra_gib"]))
+                if peak:
+                    row["device_extra_gib"] = _case_process(name, shape, dtype, layout, few,
+                                                            True)["device_extra_gib"]
+                rows.append(row)
             print(rows[-1], flush=True)
         except Exception as e:  # noqa: BLE001 - one failing case must not lose the others
             traceback.print_exc()
@@ -345,7 +347,11 @@ def _shapes(args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for linear_ce.csv")
+    p.add_argument("--out", help="folder for linear_ce.csv (required unless --readme)")
+    p.add_argument("--readme", type=Path, help="rewrite this README's LM-head table from "
+                   "--from-csv instead of running")
+    p.add_argument("--from-csv", type=Path, default=Path(__file__).parent / "results"
+                   / "lm_head_h100.csv", help="the published CSV the README table comes from")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     p.add_argument("--n", type=int, help="one custom shape instead of --shapes (with --d, --v)")
     p.add_argument("--d", type=int)
@@ -360,12 +366,18 @@ def main(argv=None) -> None:
     p.add_argument("--peak-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--isolate", choices=["auto", "yes", "no"], default="auto",
                    help="each JAX case in its own process (auto: on a GPU)")
+    p.add_argument("--peak-shapes", default=TARGET,
+                   help="shapes whose JAX cases also get a device-peak process (comma list)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--frameworks", default="jax,torch", help="comma list of jax, torch")
     p.add_argument("--mem-limit-gib", type=float, default=64.0,
                    help="skip a naive baseline estimated to need more (80 GB GPU: 64)")
     p.add_argument("--smoke", action="store_true", help="few samples (CPU check of the script)")
     args = p.parse_args(argv)
+    if args.readme:
+        return write_readme(args.readme, args.from_csv)
+    if not args.out:
+        p.error("--out is required")
     sweep = [c for c in (args.chunk_sizes or (QUICK_CHUNKS if args.quick else CHUNKS))
              .split(",") if c]
     shapes = _shapes(args)
@@ -397,7 +409,8 @@ def main(argv=None) -> None:
             try:
                 if fw == "jax":
                     _jax_cases(shape, args.dtype, args.layout, sweep, few,
-                               args.mem_limit_gib, results[label], note, isolate)
+                               args.mem_limit_gib, results[label], note, isolate,
+                               label in args.peak_shapes.split(","))
                 else:
                     _torch_cases(shape, args.dtype, few, args.mem_limit_gib, results[label],
                                  note)
@@ -448,6 +461,53 @@ def _write_csv(out: Path, shapes, results, notes, dtype, layout) -> Path:
         for msg in notes:
             writer.writerow(dict(common, framework="note", impl="", note=msg))
     return path
+
+
+README_START, README_END = "<!-- lm-head:start -->", "<!-- lm-head:end -->"
+# README rows: (impl in the CSV, what the reader sees)
+README_ROWS = (("ours-triton-fast", '`mode="fast"` (default)'),
+               ("ours-triton-low_precision", '`mode="low_precision"`'),
+               ("ours-triton-lean", '`mode="lean"`'),
+               ("optax-naive", "XLA: logits, then optax in float32"),
+               ("liger-flce", "Liger fused linear CE (PyTorch)"),
+               ("cut-cross-entropy", "Cut Cross-Entropy (PyTorch)"),
+               ("torch-naive", "PyTorch: logits, then F.cross_entropy in float32"))
+
+
+def readme_block(csv_path: Path) -> str:
+    """The README's LM-head table from the newest run at the target shape in `csv_path`:
+    milliseconds, x the three bare matmuls of the same run, and memory beyond the inputs and
+    the returned gradients (JAX: XLA's temporaries; PyTorch: peak minus the gradients)."""
+    with open(csv_path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["framework"] in ("jax", "torch")]
+    n, d, v = SHAPES[TARGET]
+    rows = [r for r in rows if (int(r["n"]), int(r["d"]), int(r["v"])) == (n, d, v)]
+    date = max(r["date"] for r in rows)
+    rows = {r["impl"]: r for r in rows if r["date"] == date}
+    floor = float(rows["matmuls-floor"]["median_ms"])
+    grads = (n * d + v * d) * 2 / GIB  # bf16 dH and dW, returned (PyTorch's peak holds them)
+    lines = [README_START,
+             f"LM head, `linear_cross_entropy` forward + backward (dH, dW), N={n}, D={d}, V={v}, "
+             f"bf16, weight `[V, D]`; {rows['matmuls-floor']['device']}, {date} "
+             f"(`benchmarks/linear_ce.py`; memory: beyond the inputs and the returned "
+             f"gradients):", "",
+             "| implementation | ms | x the three bare matmuls | memory GiB |",
+             "|---|---|---|---|",
+             f"| three bare matmuls (the floor) | {floor:.1f} | 1.00 | - |"]
+    for impl, label in README_ROWS:
+        r = rows.get(impl)
+        if r is None:
+            continue
+        ms = float(r["median_ms"])
+        mem = float(r["temp_gib"]) if r["framework"] == "jax" else float(r["peak_gib"]) - grads
+        lines.append(f"| {label} | {ms:.1f} | {ms / floor:.2f} | {max(mem, 0.0):.2f} |")
+    return "\n".join(lines + [README_END])
+
+
+def write_readme(readme: Path, csv_path: Path) -> None:
+    text = readme.read_text()
+    a, b = text.index(README_START), text.index(README_END) + len(README_END)
+    readme.write_text(text[:a] + readme_block(csv_path) + text[b:])
 
 
 def _device_is_gpu() -> bool:

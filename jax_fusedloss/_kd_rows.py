@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _sharding, _triton_jax
+from jax_fusedloss import _sharding, _triton_jax, _validate
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss._xla import kd_tail as _xla_tail
@@ -65,7 +65,8 @@ def _vp_gathers(x, ids, y, opts: KDOptions, axes):
                         else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
     m_all = jax.lax.pmax(m, axes)
     shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
-    weights = (jnp.exp(shift), jnp.exp(shift / opts.temperature), 1.0)  # sums relative to m
+    weights = (jnp.exp(shift), jnp.exp(shift * _validate.inverse_temperature(opts.temperature)),
+               1.0)  # sums relative to m
     sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
     total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
     merged = iter(total[..., i] for i in range(len(sums)))

@@ -17,7 +17,6 @@ from jax_fusedloss._lm_head import MODES
 from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss._xla import kd_tail as _xla_tail
 from jax_fusedloss.kd import MAX_TRITON_K
-from jax_fusedloss.kernels import linear_ce as _sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +100,14 @@ def run_linear(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, b
     _common.check_choice(mode, "mode", MODES)
     smoothing, z_loss, softcap = _common.check_ce_options(*smoothing_opts)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, weight, "weight")
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]
     if n == 0:
         return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
-    chunk = _lm_head.default_chunk(n, vocab, hidden.dtype, mode)
     if chunk_size is not None:
-        chunk = min(_common.check_static_int(chunk_size, "chunk_size", lo=1), n)
-    block, block_rows = _sizes.vocab_block(n, vocab, chunk)
+        chunk_size = _common.check_static_int(chunk_size, "chunk_size", lo=1)
+    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size)
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     w, keep = token_weights(weights, where, lead)
@@ -121,7 +119,8 @@ def run_linear(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, b
     else:
         y, active = jnp.zeros((n,), jnp.int32), keep
     ids, lp, has_entry = teacher_rows(teacher_ids, teacher_logprobs, mask, vocab, active)
-    kd_w = 1.0 if not distill else (1.0 - alpha) * (t * t if temperature_squared else 1.0)
+    kd_w = 1.0 if not distill else (1.0 - alpha) * _validate.check_temperature_squared(
+        t, temperature_squared)
     ce_term = (alpha, active) if distill else (0.0, None)
     row_scale = row_scales(n, (ce_term, (kd_w, has_entry)), w, reduction, num_items)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=distill,
@@ -129,8 +128,6 @@ def run_linear(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, b
                      vocab_axis=vocab_axis, smoothing=smoothing if distill else 0.0,
                      z_loss=z_loss if distill else 0.0, softcap=softcap, tail=tail,
                      divergence=divergence, beta=beta)
-    head = _lm_head.HeadOptions(layout=weight_layout, mode=mode, chunk=chunk, block=block,
-                                block_rows=block_rows)
     if tail or teacher_ids.shape[-1] > MAX_TRITON_K:
         if implementation == "triton":
             raise NotImplementedError(

@@ -96,6 +96,12 @@ class HeadOp:
         """The backward's rows for the vocabulary block starting at column `offset`."""
         raise NotImplementedError
 
+    def shift_block(self, rows: tuple, offset, size: int) -> tuple:
+        """The backward's rows for the `size` vocabulary columns starting at `offset` (the
+        vocabulary walk calls this; default `shift`). An op whose backward row function
+        treats a label outside the block as an error (token log-probs) needs the width."""
+        return self.shift(rows, offset)
+
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
 
@@ -109,6 +115,21 @@ def fuses_grad(op: HeadOp, dtype) -> bool:
 def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
     """Tokens per chunk of the token walk for `mode` (`kernels.linear_ce.chunk_rows`)."""
     return _plans.chunk_rows(n, vocab, jnp.dtype(dtype).itemsize, mode)
+
+
+def head_options(n: int, vocab: int, dtype, layout: str, mode: str,
+                 chunk_size: int | None) -> HeadOptions:
+    """The walks' sizes for N tokens and this device's `vocab` columns: the token walk's chunk
+    (`chunk_size`, validated by the caller, or `default_chunk`) and the vocabulary walk's
+    blocks of `chunk_size * V` logits (by default the 128 MiB budget:
+    `kernels.linear_ce.budget_rows`)."""
+    if chunk_size is None:
+        chunk = default_chunk(n, vocab, dtype, mode)
+        block_chunk = _plans.budget_rows(vocab, jnp.dtype(dtype).itemsize)
+    else:
+        chunk = block_chunk = min(chunk_size, max(n, 1))
+    block, block_rows = _plans.vocab_block(n, vocab, block_chunk)
+    return HeadOptions(layout=layout, mode=mode, chunk=chunk, block=block, block_rows=block_rows)
 
 
 # ----------------------------------------------------------------------------- chunk algebra
@@ -226,7 +247,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=()):
         dh, dw, db = carry
         wb = _slice(w, start, size, axis=vdim)
         bb = None if b is None else _slice(b, start, size)
-        shifted = op.shift(rows, first + start)
+        shifted = op.shift_block(rows, first + start, size)
 
         def part(r0, rs, acc):
             dh, dwb, dbb = acc

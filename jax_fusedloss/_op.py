@@ -39,14 +39,15 @@ SECOND_ORDER_MESSAGE = (
 @jax.custom_jvp
 def first_order_only(*arrays):
     """Identity on the backward's inputs; differentiating it (a second-order derivative of an
-    op) raises NotImplementedError with SECOND_ORDER_MESSAGE instead of an error about
+    op) raises `_common.UnsupportedError` (a NotImplementedError, which the dispatcher does
+    not fall through) with SECOND_ORDER_MESSAGE instead of an error about
     custom_partitioning or custom_jvp the user never wrote."""
     return arrays
 
 
 @first_order_only.defjvp
 def _first_order_only_jvp(primals, tangents):
-    raise NotImplementedError(SECOND_ORDER_MESSAGE)
+    raise _common.UnsupportedError(SECOND_ORDER_MESSAGE)
 
 
 class Residuals(NamedTuple):

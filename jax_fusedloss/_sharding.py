@@ -282,8 +282,12 @@ def run(row_fns: Callable[[str], dict[str, RowFns]], opts, role: str, *arrays):
 # it, and a result without "n" (a weight gradient) is summed across the token axes by the op.
 def dims_layout(mesh, dims: Sequence[str], shapes, specs) -> tuple[tuple, tuple]:
     """(row axes, vocab axes) for operands with named `dims`, their `shapes` and partition
-    `specs`: an axis split that does not divide its dimension, or vocabulary axes that are
-    also row axes, are dropped (gathered)."""
+    `specs`: an axis split that does not divide its dimension is dropped (gathered). Where the
+    tokens and the vocabulary are split over the same axes (an FSDP rule sharding the LM head
+    over the data axis on V), the tokens are gathered and the op runs vocabulary-parallel: the
+    hidden states (`N * D`) cost less to gather than the weight (`V * D`, and its gradient
+    all-reduced back). 2 x H100, N=8192 per GPU, D=4096, V=128256: 46 ms gathering the weight,
+    XLA's own naive head 43 ms gathering the tokens."""
 
     def axes_of(letter):
         for d, shape, spec in zip(dims, shapes, specs):
@@ -295,7 +299,7 @@ def dims_layout(mesh, dims: Sequence[str], shapes, specs) -> tuple[tuple, tuple]
         return ()
 
     rows, vocab = axes_of("n"), axes_of("v")
-    return rows, (() if set(rows) & set(vocab) else vocab)
+    return (() if set(rows) & set(vocab) else rows), vocab
 
 
 def dims_spec(d: str, rows, vocab) -> P:

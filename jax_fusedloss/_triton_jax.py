@@ -244,18 +244,24 @@ def _torch_dtype(dtype):
 
 
 def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
+    """The kernel through Triton's interpreter in a `buffer_callback`, which reads each
+    device's buffers in place: `pure_callback` first puts its arguments on CPU device 0, and
+    inside shard_map on 4 CPU devices the other devices' callbacks waited for those transfers
+    while device 0 waited for them at the next psum (a deadlock from 128 KiB inputs on)."""
     import torch
+    from jax.experimental.buffer_callback import buffer_callback
 
-    def host(*arrays):
+    def host(_ctx, outs, *arrays):
         with _INTERPRET_LOCK:
-            ins = [_to_torch(a) for a in arrays]
-            outs = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+            ins = [_to_torch(np.asarray(a)) for a in arrays]
+            results = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
             for i, o in aliases.items():  # written in place, as on the GPU: `ins` are copies
-                outs[o] = ins[i]
-            kernel[grid](*ins, *scalars, *outs, **constexprs)
-            return tuple(_to_numpy(o) for o in outs)
+                results[o] = ins[i]
+            kernel[grid](*ins, *scalars, *results, **constexprs)
+            for out, result in zip(outs, results):
+                np.asarray(out)[...] = _to_numpy(result)
 
-    return jax.pure_callback(host, tuple(out_shapes), *inputs, vmap_method="sequential")
+    return tuple(buffer_callback(host, tuple(out_shapes), vmap_method="sequential")(*inputs))
 
 
 def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],

@@ -67,6 +67,30 @@ def check_bool(value, name: str) -> bool:
     return value
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 2.0 ** -126  # float32's smallest normal number
+
+
+def inverse_temperature(temperature: float) -> float:
+    """1 / T as the KD kernels and the XLA twin multiply by it in float32: at least
+    FLOAT32_TINY. A reciprocal that underflows (T above about 8.5e37) gave 0 * inf = NaN at
+    the online softmax's initial max of -inf, where the student softmax at such T is uniform:
+    with the clamp, (z - max) / T still rounds to 0 for every logit below about 1e30."""
+    return max(1.0 / temperature, FLOAT32_TINY)
+
+
+def check_temperature_squared(temperature: float, temperature_squared: bool) -> float:
+    """distill_loss's KD weight factor: T**2 with `temperature_squared` (ValueError naming
+    `temperature` where it overflows float32), else 1."""
+    if not temperature_squared:
+        return 1.0
+    if temperature * temperature > FLOAT32_MAX:
+        raise ValueError(f"temperature={temperature!r} with temperature_squared=True: T**2 "
+                         f"overflows float32 (the KD term's weight); T**2 needs temperature <= "
+                         f"{FLOAT32_MAX ** 0.5:.6g}")
+    return temperature * temperature
+
+
 def check_ce_options(label_smoothing, z_loss, logit_softcap, *, check=check_float):
     """cross_entropy's float options, as every op that has them checks them (cross_entropy,
     distill_loss, linear_cross_entropy): label_smoothing in [0, 1], z_loss >= 0,
@@ -80,12 +104,14 @@ def check_ce_options(label_smoothing, z_loss, logit_softcap, *, check=check_floa
 
 
 # ----------------------------------------------------------------------------- shapes
-def check_rows_shape(shape: tuple[int, ...], name: str) -> None:
-    """A `[..., V]` operand: at least one axis, and a nonempty last one."""
+def check_rows_shape(shape: tuple[int, ...], name: str, last: str = "V") -> None:
+    """A `[..., V]` operand (`last` names its last axis: "V" the vocabulary, "D" the hidden
+    dimension of linear_cross_entropy's `hidden`): at least one axis, a nonempty last one."""
+    what = {"V": "the vocabulary axis V", "D": "the hidden dimension D"}.get(last, last)
     if len(shape) < 1:
-        raise ValueError(f"{name}.shape={shape} must have at least one axis [..., V]")
+        raise ValueError(f"{name}.shape={shape} must have at least one axis [..., {last}]")
     if shape[-1] < 1:
-        raise ValueError(f"{name}.shape={shape}: the vocabulary axis must not be empty")
+        raise ValueError(f"{name}.shape={shape}: its last axis ({what}) must not be empty")
 
 
 def float_dtype_error(name: str, dtype) -> TypeError:

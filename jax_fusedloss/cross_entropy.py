@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op, _sharding, _triton_jax
+from jax_fusedloss import _common, _op, _sharding, _triton_jax, _weights
 from jax_fusedloss._xla import chunks as _xla_chunks
 from jax_fusedloss._xla import cross_entropy as _xla_ce
 from jax_fusedloss._xla import reductions as _xla_red
@@ -134,18 +134,6 @@ def _call(opts: CEOptions, role: str, *arrays):
 
 
 # ----------------------------------------------------------------------------- the op
-def _denominator(y, opts: CEOptions):
-    if opts.reduction != "mean":
-        return jnp.float32(1.0)
-    return jnp.maximum(jnp.sum(y != opts.ignore_index), 1).astype(jnp.float32)
-
-
-def _reduce(loss_rows, denom, opts: CEOptions):
-    if opts.reduction == "none":
-        return loss_rows
-    return jnp.sum(loss_rows) / denom
-
-
 def _row_cotangent(g_loss, n, opts: CEOptions):
     return g_loss.astype(jnp.float32) if opts.reduction == "none" else jnp.broadcast_to(
         g_loss.astype(jnp.float32), (n,))
@@ -154,12 +142,13 @@ def _row_cotangent(g_loss, n, opts: CEOptions):
 @dataclasses.dataclass(frozen=True)
 class _CrossEntropy(_op.RowOp):
     """(x, y) -> (loss, lse). Row functions: x, y, row_scale -> loss, lse, coef [N, 3]
-    (+ grad); the weighting rule: "mean" gives every row 1 / (count of non-ignored labels).
+    (+ grad); the weighting rule (`_weights`): row i gets w_i / denominator, where "mean"'s
+    denominator is the count (or weight sum) of the counted labels, or `num_items`.
     The recompute folds the cotangents into the coefficients: a * cot + g_lse for the softmax
     term (lse's own gradient is the softmax), b * cot and c * cot (coef [N, 5] = (a, b, c,
     lse_lo * w, w): the last two carry the lse's low part and stay as they are)."""
     opts: CEOptions
-    num_aux = 1
+    num_aux = 3  # labels, per-token weights [N], the denominator (a scalar)
 
     @property
     def fuses_grad(self) -> bool:
@@ -172,12 +161,13 @@ class _CrossEntropy(_op.RowOp):
     def call(self, role, *arrays):
         return _call(self.opts, role, *arrays)
 
-    def row_inputs(self, y):
-        return y, jnp.broadcast_to(1.0 / _denominator(y, self.opts), y.shape)
+    def row_inputs(self, y, w, denom):
+        return y, _weights.row_scale(w, denom)
 
-    def primal(self, outs, y):
+    def primal(self, outs, y, w, denom):
         loss, lse, _ = outs
-        return _reduce(loss, _denominator(y, self.opts), self.opts), lse
+        return _weights.reduce(loss, y, w, denom, self.opts.ignore_index,
+                               self.opts.reduction), lse
 
     def saved(self, outs):
         return outs[1:]  # lse, coef
@@ -186,7 +176,7 @@ class _CrossEntropy(_op.RowOp):
         return _row_cotangent(cts[0], n, self.opts)
 
     def recompute(self, res, cot, cts):
-        (y, _), (lse, coef) = res.inputs, res.stats
+        (y, *_), (lse, coef) = res.inputs, res.stats
         # (a, b, c) scale with the loss cotangent; the lse_lo fields (3, 4) stay exact.
         c = coef.at[:, :3].multiply(cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
         return _call(self.opts, "bwd", res.x, y, lse, c)[0]
@@ -196,6 +186,7 @@ class _CrossEntropy(_op.RowOp):
 check_ce_options = _common.check_ce_options  # shared with distill_loss
 
 
+@_common.public
 def cross_entropy(
     logits: jax.Array,
     labels: jax.Array,
@@ -206,6 +197,10 @@ def cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
+    weights: jax.Array | None = None,
+    where: jax.Array | None = None,
+    num_items: int | jax.Array | None = None,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -241,13 +236,28 @@ def cross_entropy(
       logit_softcap: c > 0 for `c * tanh(logits / c)` (Gemma-2 style), or None.
       return_lse: also return float32 `[...]` lse of z for every token, ignored or not
         (differentiable too).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
+      weights: optional float `[...]` per-token weights (broadcast against `labels`): each
+        token's loss is multiplied by its weight (any sign), folded into the fused gradient
+        (no extra pass); "mean" then divides by the sum of the counted tokens' weights (taken
+        as 1 where it is 0). The weights get no gradient.
+      where: optional bool `[...]` (broadcast against `labels`, optax's convention): False
+        counts as ignored.
+      num_items: the denominator of "mean" (an int >= 1 or a scalar array) instead of the
+        count or weight sum, e.g. the token count of a whole accumulated batch when this call
+        sees one micro-batch (as `kd_loss`); no gradient.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary axis of `logits` is split, device i of those axes holding columns
         `[i * V_local, (i + 1) * V_local)`; `labels` are global ids. Partial statistics are
         merged with one all-gather of O(N) floats and each device gets the gradient of its
         slice. Under `jax.jit` with sharded inputs nothing is needed: the op partitions itself
-        (see the README's Multi-GPU section).
+        (see the README's Multi-GPU section). A ValueError naming `vocab_axis` outside
+        shard_map, under `shard_map(..., check_vma=False)`, or for an axis the logits do not
+        vary over (their vocabulary is not split across it).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none"); `(loss, lse)` with `return_lse`.
@@ -255,11 +265,14 @@ def cross_entropy(
 
     Raises:
       TypeError / ValueError at trace time for non-float logits, non-integer labels, a shape
-      mismatch, or an unknown option.
+      mismatch, an unknown option, a traced or non-bool `return_lse` / `check_labels`, or a
+      `vocab_axis` that does not split the logits. NotImplementedError for a second-order
+      derivative (grad of grad, `jax.hessian`).
 
     A label outside `[0, V)` that is not `ignore_index` is never used as an address: that
     token's loss is NaN (so a "mean" or "sum" is NaN too, loudly) and its gradient row is NaN;
-    other tokens' per-token losses and gradient rows are unaffected.
+    other tokens' per-token losses and gradient rows are unaffected. `check_labels=True` finds
+    such a label.
 
     Example:
       >>> logits = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -272,18 +285,21 @@ def cross_entropy(
     _common.check_implementation(implementation)
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap, return_lse=bool(return_lse),
                      implementation="", vocab_axis=vocab_axis)
     lead = labels.shape
+    _weights.check(weights, where, num_items, reduction, lead)
     x = _common.flatten_rows(logits)
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(logits, vocab_axis))
+    vocab = _common.vocab_size(logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     if x.shape[0] == 0:
         loss = _op.empty_loss(lead, reduction)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    loss, lse = _op.apply(_CrossEntropy(opts), implementation, x, y)
+    rows = _weights.prepare(y, lead, ignore_index, reduction, weights, where, num_items)
+    loss, lse = _op.apply(_CrossEntropy(opts), implementation, x, *rows)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

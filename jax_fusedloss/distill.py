@@ -4,12 +4,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op
+from jax_fusedloss import _common, _op, _validate
 from jax_fusedloss.cross_entropy import check_ce_options
 from jax_fusedloss.kd import (KDOptions, check_divergence, check_options, check_teacher,
                               prepare_entries, row_scales, run_rows, token_weights)
 
 
+@_common.public
 def distill_loss(
     student_logits: jax.Array,
     labels: jax.Array,
@@ -27,6 +28,7 @@ def distill_loss(
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
     temperature_squared: bool = False,
+    check_labels: bool = False,
     tail: bool = False,
     divergence: str = "kl",
     beta: float = 0.5,
@@ -99,7 +101,12 @@ def distill_loss(
       normalize: "full" or "topk" (see `kd_loss`).
       reduction: "mean", "sum" or "none".
       num_items: denominator of both "mean" terms (an int >= 1 or a positive scalar array).
-      temperature_squared: multiply the KD term by T**2.
+      temperature_squared: multiply the KD term by T**2 (a ValueError naming `temperature`
+        where T**2 overflows float32, T > 1.8e19).
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
+        checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
+        a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
       tail, divergence, beta: the KD term's form (see `kd_loss`).
       weights: optional float `[...]` per-token weights, broadcast against `labels.shape`.
       where: optional bool `[...]`: False tokens are ignored.
@@ -134,9 +141,11 @@ def distill_loss(
     alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = labels.shape
-    y = _common.labels_to_int32(labels.reshape(-1), ignore_index,
-                                _common.vocab_size(student_logits, vocab_axis))
+    vocab = _common.vocab_size(student_logits, vocab_axis)
+    y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
     w, keep = token_weights(weights, where, lead)
     if keep is not None:  # where=False: the token is ignored by both terms
         y = jnp.where(keep, y, jnp.int32(ignore_index))
@@ -146,11 +155,11 @@ def distill_loss(
     n = x.shape[0]
     if n == 0:
         return _op.empty_loss(lead, reduction)
-    kd_w = (1.0 - float(alpha)) * (t * t if temperature_squared else 1.0)
+    kd_w = (1.0 - float(alpha)) * _validate.check_temperature_squared(t, temperature_squared)
     row_scale = row_scales(n, ((alpha, active), (kd_w, has_entry)), w, reduction, num_items)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=True,
                      ignore_index=int(ignore_index), implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis), smoothing=smoothing,
+                     vocab_axis=vocab_axis, smoothing=smoothing,
                      z_loss=z_loss, softcap=softcap, tail=tail, divergence=divergence,
                      beta=beta)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)

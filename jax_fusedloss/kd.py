@@ -84,6 +84,7 @@ def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | No
 
 
 # ----------------------------------------------------------------------------- public API
+@_common.public
 def kd_loss(
     student_logits: jax.Array,
     teacher_ids: jax.Array,
@@ -171,7 +172,9 @@ def kd_loss(
         dtype, used in float32). Entries with probability 0 (log-prob -inf) add nothing.
       mask: `[..., K]` bool or 0/1: which entries count; None = all. An entry counts where
         `mask != 0`, so a float mask's NaN or 0.5 counts as True.
-      temperature: T > 0, a Python float, dividing the student logits.
+      temperature: T > 0, a Python float, dividing the student logits (as a multiply by
+        1 / T in float32, at least float32's smallest normal number: above T = 8.5e37 the
+        student softmax is uniform to float32 precision either way).
       normalize: "full" or "topk".
       reduction: "mean" (the sum over tokens divided by the number of tokens with at least
         one counting entry, 0 when there is none, or by `num_items`), "sum" or "none" (float32
@@ -215,6 +218,7 @@ def kd_loss(
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
     tail, divergence, beta = check_divergence(tail, divergence, beta, normalize)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = student_logits.shape[:-1]
     w, keep = token_weights(weights, where, lead)
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
@@ -225,7 +229,7 @@ def kd_loss(
     row_scale = row_scales(n, ((0.0, None), (1.0, has_entry)), w, reduction, num_items)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=False,
                      ignore_index=-1, implementation="",
-                     vocab_axis=_common.check_axis_name(vocab_axis), tail=tail,
+                     vocab_axis=vocab_axis, tail=tail,
                      divergence=divergence, beta=beta)
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

@@ -11,10 +11,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _lm_head, _validate
+from jax_fusedloss import _common, _lm_head, _validate, _weights
 from jax_fusedloss._lm_head import MODES, DEFAULT_MODE
-from jax_fusedloss.cross_entropy import CEOptions, _denominator, _row_cotangent, _row_fns
-from jax_fusedloss.kernels import linear_ce as _sizes
+from jax_fusedloss.cross_entropy import CEOptions, _row_cotangent, _row_fns
 
 # Each chunk's logits gradient overwrites the chunk's logits (a temporary of the walk): the
 # Triton cross-entropy launches alias them (CEOptions.in_place). False only to compare.
@@ -36,28 +35,27 @@ def default_chunk_size(n: int, vocab: int, dim: int, dtype, mode: str = DEFAULT_
 class _LinearCE(_lm_head.HeadOp):
     """Cross-entropy's hooks: the forward row function takes (labels, row_scale) and gives
     (loss, lse, coef [N, 5]); the backward's takes (labels, lse, coef with the cotangents
-    folded in, as `cross_entropy._CrossEntropy.recompute` does)."""
+    folded in, as `cross_entropy._CrossEntropy.recompute` does). The op's aux arrays are
+    (labels, per-token weights, "mean" denominator) (`_weights`)."""
 
     def row_fns(self, impl):
         return _row_fns(self.opts._replace(implementation=impl, in_place=_IN_PLACE), impl)
 
-    def row_inputs(self, y):
-        return y, jnp.broadcast_to(1.0 / _denominator(y, self.opts), y.shape).astype(jnp.float32)
+    def row_inputs(self, y, w, denom):
+        return y, _weights.row_scale(w, denom)
 
     def stat_shapes(self):
         return ((), (), (5,))  # loss, lse, coef (kernels.cross_entropy.COEF_FIELDS)
 
-    def primal(self, stats, y):
-        loss, lse = stats[0], stats[1]
-        if self.opts.reduction != "none":
-            loss = jnp.sum(loss) / _denominator(y, self.opts)
-        return loss, lse
+    def primal(self, stats, y, w, denom):
+        return _weights.reduce(stats[0], y, w, denom, self.opts.ignore_index,
+                               self.opts.reduction), stats[1]
 
     def per_row_cotangent(self):
         return self.opts.reduction == "none" or self.opts.return_lse
 
     def bwd_rows(self, aux, stats, cts):
-        (y,), (_, lse, coef) = aux, stats
+        (y, *_), (_, lse, coef) = aux, stats
         cot = _row_cotangent(cts[0], y.shape[0], self.opts)
         # (a, b, c) scale with the loss cotangent; the lse_lo fields (3, 4) stay exact.
         coef = coef.at[:, :3].multiply(cot[:, None]).at[:, 0].add(cts[1].astype(jnp.float32))
@@ -69,7 +67,7 @@ class _LinearCE(_lm_head.HeadOp):
 
 
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
-    _common.check_logits(hidden, "hidden")
+    _common.check_logits(hidden, "hidden", "D")
     if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
         raise TypeError(f"weight must be an array, got {type(weight).__name__}")
     vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
@@ -81,6 +79,7 @@ def _check_inputs(hidden, weight, labels, bias, weight_layout):
     return vocab
 
 
+@_common.public
 def linear_cross_entropy(
     hidden: jax.Array,
     weight: jax.Array,
@@ -94,6 +93,10 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    check_labels: bool = False,
+    weights: jax.Array | None = None,
+    where: jax.Array | None = None,
+    num_items: int | jax.Array | None = None,
     mode: str = DEFAULT_MODE,
     implementation: str | None = None,
     chunk_size: int | None = None,
@@ -134,6 +137,10 @@ def linear_cross_entropy(
       weight_layout: "dv" or "vd".
       ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as in
         `cross_entropy`; "mean" divides by the number of non-ignored tokens of the batch.
+      check_labels: as in `cross_entropy`.
+      weights, where, num_items: per-token weights, a bool mask (False: ignored) and the
+        denominator of "mean", as in `cross_entropy`; a weight joins the per-row scale of the
+        fused gradient (no extra pass, no recompute). No gradient w.r.t. them.
       mode: "fast", "low_precision" or "lean" (the table above).
       implementation: None (Triton cross-entropy kernels on a CUDA GPU, XLA elsewhere),
         "triton" or "xla"; the matmuls are XLA's either way.
@@ -141,9 +148,10 @@ def linear_cross_entropy(
         lean backward's blocks hold as many logits (`chunk_size * V`); None for
         `default_chunk_size`: `[C, V]` logits within
         `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but at least 1024
-        rows ("low_precision") or 4096 ("fast") for 16-bit logits, where each chunk's update
-        of dW reads and writes all of dW (fewer, longer chunks are faster). A ragged last
-        chunk is allowed.
+        rows ("low_precision", "lean") or 4096 ("fast") for 16-bit logits, where each chunk's
+        update of dW reads and writes all of dW or the chunk's GEMM runs short (fewer, longer
+        chunks are faster); the lean backward's blocks then keep the 128 MiB budget. A ragged
+        last chunk is allowed.
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary of `weight` (and `bias`) is split, device i of those axes holding rows
         (for "vd"; columns for "dv") `[i * V_local, (i + 1) * V_local)`; `labels` are global
@@ -174,27 +182,26 @@ def linear_cross_entropy(
     _common.check_implementation(implementation)
     smoothing, zl, logit_softcap = _common.check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
-    return_lse = _common.check_bool(return_lse, "return_lse")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, weight, "weight")
     lead = labels.shape
+    _weights.check(weights, where, num_items, reduction, lead)
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]
-    chunk = _lm_head.default_chunk(n, vocab, hidden.dtype, mode)
     if chunk_size is not None:
-        chunk = min(_common.check_static_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+        chunk_size = _common.check_static_int(chunk_size, "chunk_size", lo=1)
     if n == 0:
         loss = jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
         return (loss, jnp.zeros(lead, jnp.float32)) if return_lse else loss
-    block, block_rows = _sizes.vocab_block(n, vocab, chunk)
     ce_opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                         z_loss=zl, softcap=logit_softcap, return_lse=return_lse,
                         implementation="", vocab_axis=vocab_axis)
-    head = _lm_head.HeadOptions(layout=weight_layout, mode=mode, chunk=chunk, block=block,
-                                block_rows=block_rows)
+    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size)
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
-    loss, lse = _lm_head.apply(_LinearCE(ce_opts, head), implementation, h, weight, bias, y)
+    _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
+    rows = _weights.prepare(y, lead, ignore_index, reduction, weights, where, num_items)
+    loss, lse = _lm_head.apply(_LinearCE(ce_opts, head), implementation, h, weight, bias, *rows)
     if reduction == "none":
         loss = loss.reshape(lead)
     return (loss, lse.reshape(lead)) if return_lse else loss

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax
 
+from jax_fusedloss import _common
 from jax_fusedloss._common import check_static_float
 from jax_fusedloss._linear_kd import run_linear
 from jax_fusedloss._lm_head import DEFAULT_MODE
 
 
+@_common.public
 def linear_kd_loss(
     hidden: jax.Array,
     weight: jax.Array,
@@ -78,6 +80,7 @@ def linear_kd_loss(
                       vocab_axis=vocab_axis)
 
 
+@_common.public
 def linear_distill_loss(
     hidden: jax.Array,
     weight: jax.Array,

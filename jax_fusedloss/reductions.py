@@ -159,18 +159,22 @@ class _Reductions(_op.RowOp):
         return _call(self.opts, "bwd", self.has_label, res.x, lse, ent, cot, *res.inputs)[0]
 
 
-def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None):
+def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_axis=None,
+             check_labels: bool = False):
     """Validates, flattens to rows and dispatches; returns (lse, entropy, logp) shaped `[...]`."""
     logits = _common.as_logits(logits)
     if labels is not None:
         _common.check_int_array(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _common.check_implementation(implementation)
     temperature = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, logits, "logits")
     lead = logits.shape[:-1]
     x = _common.flatten_rows(logits)
-    y = None if labels is None else _common.labels_to_int32(
-        labels.reshape(-1), None, _common.vocab_size(logits, vocab_axis))
+    y = None
+    if labels is not None:
+        vocab = _common.vocab_size(logits, vocab_axis)
+        y = _common.labels_to_int32(labels.reshape(-1), None, vocab)
+        _common.check_labels(labels, vocab, None, enabled=check_labels)
     if x.shape[0] == 0:
         empty = jnp.zeros(lead, jnp.float32)
         return empty, empty, empty
@@ -181,6 +185,7 @@ def _compute(logits, labels, temperature, entropy: bool, implementation, vocab_a
 
 
 # ----------------------------------------------------------------------------- public API
+@_common.public
 def logsumexp(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
               vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Log-sum-exp over the last axis, in one read of the logits.
@@ -216,6 +221,7 @@ def logsumexp(logits: jax.Array, *, temperature: float = 1.0, implementation: st
     return _compute(logits, None, temperature, False, implementation, vocab_axis)[0]
 
 
+@_common.public
 def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str | None = None,
             vocab_axis: str | tuple[str, ...] | None = None) -> jax.Array:
     r"""Entropy of softmax(logits / temperature) over the last axis, in one read.
@@ -250,8 +256,10 @@ def entropy(logits: jax.Array, *, temperature: float = 1.0, implementation: str 
     return _compute(logits, None, temperature, True, implementation, vocab_axis)[1]
 
 
+@_common.public
 def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float = 1.0,
-                   return_entropy: bool = False, implementation: str | None = None,
+                   return_entropy: bool = False, check_labels: bool = False,
+                   implementation: str | None = None,
                    vocab_axis: str | tuple[str, ...] | None = None,
                    ) -> jax.Array | tuple[jax.Array, jax.Array]:
     r"""Log-probability of each label under softmax(logits / temperature), and its entropy.
@@ -271,6 +279,10 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       labels: `[...]` integer token ids in `[0, V)`.
       temperature: a static float > 0.
       return_entropy: also return the entropy `[...]`.
+      check_labels: debugging aid: raise a ValueError naming the first label outside
+        `[0, V)` (its index and value, and how many there are), checked at run time through
+        `jax.debug.callback` (under `jax.jit` JAX re-raises it as a `JaxRuntimeError`
+        carrying that message); costs a device-to-host sync per call.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -292,11 +304,10 @@ def token_logprobs(logits: jax.Array, labels: jax.Array, *, temperature: float =
       >>> tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 1000)
       >>> logp, h = token_logprobs(logits, tokens, return_entropy=True)
     """
-    _common.check_bool(return_entropy, "return_entropy")
     if labels is None:
         raise TypeError("labels must be an integer array `[...]`, got None")
     _, ent, logp = _compute(logits, labels, temperature, return_entropy, implementation,
-                            vocab_axis)
+                            vocab_axis, check_labels)
     return (logp, ent) if return_entropy else logp
 
 
@@ -315,6 +326,7 @@ def _accepts_old_max_keyword(fn):
 
 
 @_accepts_old_max_keyword
+@_common.public
 def merge_partials(maximum: jax.Array, sumexp: jax.Array, shifted_sum: jax.Array | None = None,
                    *, axis: int = -1) -> tuple[jax.Array, ...]:
     r"""Merges partial softmax statistics of disjoint vocabulary slices along `axis`.

@@ -315,3 +315,37 @@ def test_time_jax_samples_stay_positive_in_noise(monkeypatch):
     for smoke in (True, False):
         stats = timing.time_jax(call, 1, out.nbytes, smoke)
         assert 0 < stats.p20_ms <= stats.median_ms <= stats.p80_ms, stats
+
+
+def test_readme_lm_head_table_is_drawn_from_the_published_csv():
+    """The README's LM-head table is what `benchmarks.linear_ce --readme` draws from
+    benchmarks/results/lm_head_h100.csv (GPU rows only; edit the CSV, not the README)."""
+    import pathlib
+
+    from benchmarks import linear_ce
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text()
+    a = text.index(linear_ce.README_START)
+    b = text.index(linear_ce.README_END) + len(linear_ce.README_END)
+    block = linear_ce.readme_block(root / "benchmarks" / "results" / "lm_head_h100.csv")
+    assert text[a:b] == block, "README LM-head table differs from the CSV: run " \
+        "python -m benchmarks.linear_ce --readme README.md"
+    assert "H100" in block and '`mode="lean"`' in block
+
+
+def test_linear_ce_benchmark_cpu_smoke(tmp_path):
+    """benchmarks.linear_ce runs end to end on the CPU at a tiny shape (every mode of ours
+    through the interpreter, the XLA twin, optax and the matmul floor) and writes its CSV."""
+    import csv
+
+    from benchmarks import linear_ce
+
+    linear_ce.main(["--out", str(tmp_path), "--smoke", "--n", "16", "--d", "8", "--v", "300",
+                    "--frameworks", "jax", "--isolate", "no"])
+    rows = list(csv.DictReader(open(tmp_path / "linear_ce.csv")))
+    impls = {r["impl"] for r in rows if r["framework"] == "jax"}
+    assert {"ours-triton-fast", "ours-triton-low_precision", "ours-triton-lean",
+            "ours-xla-fast", "optax-naive", "matmuls-floor"} <= impls, impls
+    losses = {float(r["loss"]) for r in rows if r["impl"].startswith(("ours", "optax"))}
+    assert max(losses) - min(losses) < 1e-3, losses

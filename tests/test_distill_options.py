@@ -20,6 +20,7 @@ import jax_fusedloss
 import torch_ref
 from tests.helpers import (VALUE_RTOL, assert_close, assert_grad_close, force_path,
                            random_logits, to_numpy, to_torch)
+from tests.reference import jax_ref
 
 IGNORE = -100
 ALL = dict(label_smoothing=0.1, z_loss=1e-3, logit_softcap=4.0)
@@ -245,3 +246,47 @@ def test_traced_option_names_the_argument():
     with pytest.raises(TypeError, match="z_loss must be a static Python number"):
         jax.jit(lambda x, c: jax_fusedloss.distill_loss(x, y, ids, lp, alpha=0.5, z_loss=c))(
             x, 1e-3)
+
+
+# ----------------------------------------------------------------------------- huge temperatures
+HUGE_TEMPERATURES = [1e30, 9e37, 2e38, 3.4e38, 1e300]
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("normalize", ["full", "topk"])
+def test_huge_temperature_is_finite_and_matches_float64(impl, normalize, interpreter):
+    """A temperature whose float32 reciprocal underflows (above about 8.5e37) gave NaN loss and
+    gradient ("full"); the student softmax is uniform there and the loss finite."""
+    x = jax.random.normal(jax.random.key(0), (3, 11)) * 2
+    y = jnp.array([1, 2, 3])
+    lp, ids = jax.lax.top_k(jax.nn.log_softmax(jax.random.normal(jax.random.key(1), (3, 11))), 3)
+    for t in HUGE_TEMPERATURES:
+        ops = {
+            "kd_loss": (lambda x: jax_fusedloss.kd_loss(
+                x, ids, lp, temperature=t, normalize=normalize, implementation=impl),
+                lambda x: jax_ref.kd_loss(x, ids, lp, temperature=t, normalize=normalize)),
+            "distill_loss": (lambda x: jax_fusedloss.distill_loss(
+                x, y, ids, lp, alpha=0.3, temperature=t, normalize=normalize,
+                implementation=impl),
+                lambda x: jax_ref.distill_loss(x, y, ids, lp, alpha=0.3, temperature=t,
+                                               normalize=normalize)),
+        }
+        for name, (fn, ref) in ops.items():
+            value, grad = jax.value_and_grad(fn)(x)
+            with jax_ref.x64():
+                want, want_grad = jax.value_and_grad(ref)(jnp.asarray(np.asarray(x), jnp.float64))
+            what = f"{name} normalize={normalize} T={t:g} ({impl})"
+            assert_close(value, want, rtol=1e-5, atol=1e-6, what=what + " loss")
+            assert_close(grad, want_grad, rtol=1e-5, atol=1e-6, what=what + " gradient")
+
+
+def test_temperature_squared_overflowing_float32_is_an_error():
+    x = jnp.zeros((2, 5))
+    y, ids, lp = jnp.array([0, 1]), jnp.array([[0, 1], [2, 3]]), jnp.full((2, 2), -0.7)
+    loss = jax_fusedloss.distill_loss(x, y, ids, lp, alpha=0.5, temperature=1e19,
+                                      temperature_squared=True, implementation="xla")
+    assert np.isfinite(float(loss)), f"T=1e19: T**2 = 1e38 fits float32, got loss {loss}"
+    with pytest.raises(ValueError, match=r"temperature=1e\+20 with temperature_squared=True: "
+                                         r"T\*\*2 overflows float32"):
+        jax_fusedloss.distill_loss(x, y, ids, lp, alpha=0.5, temperature=1e20,
+                                   temperature_squared=True, implementation="xla")

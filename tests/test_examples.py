@@ -25,7 +25,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_fusedloss  # noqa: E402
-from examples import _common, _data, _mesh, distill, train_lm  # noqa: E402
+from examples import _common, _data, _mesh, distill, rl, train_lm  # noqa: E402
 
 TINY = ["--vocab", "512", "--text-mb", "0.3", "--seq-len", "64", "--batch", "8",
         "--d-model", "64", "--layers", "1", "--heads", "2", "--lr", "1e-2", "--no-progress"]
@@ -210,3 +210,16 @@ def test_train_lm_on_a_mesh_of_4_cpu_devices(tmp_path, cache_dir, mesh, loss, lo
     check = metrics["first_step_check"]  # fused and optax on the same mesh, batch and init
     np.testing.assert_allclose(check["fused"], check["optax"], rtol=1e-5)
     np.testing.assert_allclose(metrics["first_loss"], check[loss], rtol=1e-5)
+
+
+def test_rl_smoke(tmp_path, cache_dir):
+    """A few supervised and GRPO steps: finite numbers, every curve written, and the fused
+    log-probs equal log_softmax of the materialised logits."""
+    metrics = rl.main(_tiny(tmp_path, cache_dir, "--sft-steps", "4", "--steps", "3",
+                            "--prompts", "2", "--group", "2", "--gen-len", "4"))
+    hist = metrics["history"]
+    assert all(len(v) == 3 and np.isfinite(v).all() for v in hist.values()), hist
+    assert metrics["logprob_check_max_abs"] < 1e-4
+    assert all(0.0 <= r <= 1.0 for r in hist["reward"])
+    assert all(e > 0 for e in hist["entropy"]) and all(lp < 0 for lp in hist["logprob"])
+    assert (tmp_path / "metrics.json").exists() and (tmp_path / "rl_curves.png").exists()

@@ -74,7 +74,8 @@ def test_readme_multi_gpu_example(tmp_path, interpreter):
 
 def test_four_cpu_devices_linear_cross_entropy(interpreter):
     """linear_cross_entropy on 4 CPU devices (tests/multidevice_linear_check.py): tokens,
-    vocabulary ("dv" and "vd" weights) and both sharded, Auto and Explicit axes, shard_map;
+    vocabulary ("dv" and "vd" weights) and both sharded, FSDP (the weight sharded over the
+    token axis on V or on D), Auto and Explicit axes, shard_map;
     the gradient-in-forward path, the recomputing backward and the lean vocabulary walk."""
     env = dict(os.environ, **CPU4, JFL_CHECK_QUICK="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -84,6 +85,7 @@ def test_four_cpu_devices_linear_cross_entropy(interpreter):
     out = proc.stdout + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and all(ln.startswith("OK") for ln in lines), out
-    assert len(lines) == 3 * 6, out  # 3 cases x (3 Auto + 1 Explicit + 2 shard_map layouts)
+    # 3 cases x (3 Auto + 2 FSDP + 1 Explicit + 2 shard_map layouts)
+    assert len(lines) == 3 * 8, out
 
 

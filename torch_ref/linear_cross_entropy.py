@@ -7,7 +7,7 @@ import torch
 
 from jax_fusedloss import _validate
 from jax_fusedloss.kernels import cross_entropy as _ce_plans
-from jax_fusedloss.kernels.linear_ce import chunk_rows, vocab_block
+from jax_fusedloss.kernels.linear_ce import budget_rows, chunk_rows, vocab_block
 from torch_ref import _checks, _launch
 from torch_ref._checks import no_double_backward
 
@@ -76,9 +76,11 @@ def _accumulate(h, w, g, layout, dh, dw, db, start):
         db.add_(g.float().sum(0))
 
 
-def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
+def vocab_walk(h, w, b, layout, chunk, needs, block_grad):
     """The lean backward (jax_fusedloss._lm_head._vocab_walk): blocks of vocabulary columns
-    over all tokens (or row chunks of them), dW's block written once, dH summed in float32."""
+    over all tokens (or row chunks of them), dW's block written once, dH summed in float32.
+    `block_grad(z, rows, c0, c1)` is the logits gradient of the tokens `rows` (a slice) at
+    the columns `[c0, c1)` from their logits z."""
     n = h.shape[0]
     vocab = w.shape[1] if layout == "dv" else w.shape[0]
     cols, rows = vocab_block(n, vocab, chunk)
@@ -96,8 +98,7 @@ def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
             hc = h[r0:r0 + rows]
             sl = slice(r0, r0 + hc.shape[0])
             z = _logits(hc, wb, bb, layout).contiguous()
-            g = _chunk_bwd(z, (y[sl] - c0).contiguous(), lse[sl], coef[sl].contiguous(),
-                           softcap)
+            g = block_grad(z, sl, c0, c1)
             if dh is not None:
                 dh[sl] += _mm_f32(g, wb.t() if layout == "dv" else wb)
             if dwb is not None:
@@ -115,7 +116,7 @@ def _vocab_walk(h, w, b, y, lse, coef, layout, chunk, softcap, needs):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
-                smoothing, z_loss, softcap, return_lse, mode):
+                smoothing, z_loss, softcap, return_lse, mode, block_chunk):
         dim = hidden.shape[-1]
         vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
         h = hidden.reshape(-1, dim).contiguous()
@@ -149,6 +150,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del z, g
         ctx.layout, ctx.chunk, ctx.softcap, ctx.recompute = layout, chunk, softcap, recompute
         ctx.reduction, ctx.hidden_shape, ctx.mode = reduction, hidden.shape, mode
+        ctx.block_chunk = block_chunk
         ctx.has_bias = bias is not None
         if recompute:
             ctx.save_for_backward(h, weight, bias, y, lse, coef)
@@ -162,7 +164,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, g_lse):
         no_double_backward("linear_cross_entropy")
-        tail = (None,) * 10
+        tail = (None,) * 11
         if not ctx.recompute:
             dh, dw, db = ctx.saved_tensors
             scale = g_loss.float()
@@ -179,26 +181,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
         coef = coef * cot[:, None]
         coef[:, 0] += g_lse.reshape(-1).float()
-        if ctx.mode == "lean":
-            dh, dw, db = _vocab_walk(h, weight, bias, y, lse, coef, ctx.layout, ctx.chunk,
-                                     ctx.softcap, needs)
-            return (None if dh is None else dh.to(h.dtype).reshape(ctx.hidden_shape), dw,
-                    None if db is None else db.to(bias.dtype), *tail)
-        f32 = dict(dtype=torch.float32, device=h.device)
-        dh = torch.empty_like(h) if needs[0] else None
-        dw_dtype = torch.float32 if ctx.mode == "fast" else weight.dtype
-        dw = torch.zeros(weight.shape, dtype=dw_dtype, device=h.device) if needs[1] else None
-        db = torch.zeros(bias.shape, **f32) if bias is not None and needs[2] else None
-        for start in range(0, n, ctx.chunk):
-            hc = h[start:start + ctx.chunk]
-            sl = slice(start, start + hc.shape[0])
-            z = _logits(hc, weight, bias, ctx.layout).contiguous()
-            g = _chunk_bwd(z, y[sl], lse[sl], coef[sl].contiguous(), ctx.softcap)
-            _accumulate(hc, weight, g, ctx.layout, dh, dw, db, start)
-            del z, g
-        return (None if dh is None else dh.reshape(ctx.hidden_shape),
-                None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), *tail)
+        return recompute_grads(
+            h, weight, bias, ctx.layout, ctx.chunk, ctx.mode, needs,
+            lambda z, sl, c0, c1: _chunk_bwd(z, (y[sl] - c0).contiguous(), lse[sl],
+                                             coef[sl].contiguous(), ctx.softcap),
+            ctx.hidden_shape, ctx.block_chunk) + tail
+
+
+def recompute_grads(h, weight, bias, layout, chunk, mode, needs, block_grad, hidden_shape,
+                    block_chunk=None):
+    """(dH, dW, db) recomputed in the backward with the cotangents folded into `block_grad`
+    (see vocab_walk): the vocabulary walk for "lean" (blocks of `block_chunk` (default
+    `chunk`) * V logits), else the token walk with dW summed in float32 ("fast") or W's dtype
+    ("low_precision")."""
+    if mode == "lean":
+        dh, dw, db = vocab_walk(h, weight, bias, layout, block_chunk or chunk, needs,
+                                block_grad)
+        return (None if dh is None else dh.to(h.dtype).reshape(hidden_shape), dw,
+                None if db is None else db.to(bias.dtype))
+    n, vocab = h.shape[0], weight.shape[1] if layout == "dv" else weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h) if needs[0] else None
+    dw_dtype = torch.float32 if mode == "fast" else weight.dtype
+    dw = torch.zeros(weight.shape, dtype=dw_dtype, device=h.device) if needs[1] else None
+    db = torch.zeros(bias.shape, **f32) if bias is not None and needs[2] else None
+    for start in range(0, n, chunk):
+        hc = h[start:start + chunk]
+        sl = slice(start, start + hc.shape[0])
+        z = _logits(hc, weight, bias, layout).contiguous()
+        g = block_grad(z, sl, 0, vocab)
+        _accumulate(hc, weight, g, layout, dh, dw, db, start)
+        del z, g
+    return (None if dh is None else dh.reshape(hidden_shape),
+            None if dw is None else dw.to(weight.dtype),
+            None if db is None else db.to(bias.dtype))
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -228,10 +244,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                                                                 logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     n = labels.numel()
+    block_chunk = budget_rows(vocab, hidden.element_size()) if chunk_size is None else None
     if chunk_size is None:
         chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
     else:
         chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    block_chunk = block_chunk or chunk  # the lean backward's blocks: chunk_size * V logits
     if n == 0:  # 0.0 whatever the weight holds (inf/NaN), as cross_entropy; gradients zero
         zero = (hidden.sum() + weight.sum()).float() * 0.0
         zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()
@@ -241,5 +259,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             else loss
     loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, labels, weight_layout, chunk,
                                           ignore_index, reduction, smoothing, z_loss,
-                                          logit_softcap, bool(return_lse), mode)
+                                          logit_softcap, bool(return_lse), mode, block_chunk)
     return (loss, lse) if return_lse else loss

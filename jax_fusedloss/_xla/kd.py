@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_fusedloss._validate import inverse_temperature
 from jax_fusedloss._xla import cross_entropy as _ce
 from jax_fusedloss._xla.chunks import (carry_like, chunk_layout, chunk_start, lse_parts,
                                        rounded, row_blocks, stats_init, transform, whole_rows,
@@ -32,7 +33,7 @@ def vocab_stats(x: jax.Array, opts):
     T) (when the KD term has its own softmax) and sum z (label smoothing), the sums relative to
     safe_max(m); float32 [N] each, None where the options do not need it."""
     distill, kd, smooth = opts.distill, kd_stats_needed(opts), _smoothing(opts)
-    inv_temp = 1.0 / opts.temperature
+    inv_temp = inverse_temperature(opts.temperature)
     n, vocab = x.shape
 
     def step(carry, z, zsum):
@@ -120,7 +121,7 @@ def rows_fwd(x, ids, lp, y, row_scale, opts, *, vocab=None, vstats=None, xk=None
     For one vocabulary slice of `vocab` columns, pass `vstats`, the vocab_stats merged over
     every slice, the teacher ids' logits `xk` and the labels' logits `xy` (raw: the softcap is
     applied here)."""
-    inv_temp = 1.0 / opts.temperature
+    inv_temp = inverse_temperature(opts.temperature)
     n = x.shape[0]
     neg, zero = jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32)
     if vstats is None:
@@ -181,7 +182,7 @@ def rows_bwd(x, ids, lp, y, stats, opts, *, offset=0, vocab=None, xk=None):
     For one vocabulary slice starting at column `offset` of `vocab`, pass the teacher ids'
     logits `xk` (gathered over all slices); ids and labels stay global."""
     n = x.shape[0]
-    inv_temp = 1.0 / opts.temperature
+    inv_temp = inverse_temperature(opts.temperature)
     full = opts.normalize == "full"
     lse_x, L, P, ce_a, kd_a, r, lg_x, r_L, lg_L = (stats[:, i] for i in range(9))
     r, lg_x, r_L, lg_L = (v[:, None] for v in (r, lg_x, r_L, lg_L))

@@ -33,6 +33,7 @@ from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, int_power, 
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load_field,
                                            load_partials, lse_parts, merge_stats, poison_inf,
                                            safe_max, span_ptr, store_partials, vector_span)
+from jax_fusedloss._validate import inverse_temperature
 from jax_fusedloss.kernels import launch
 from jax_fusedloss.kernels.launch import KD_IDS_WARPS, merge_block, row_config
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
@@ -606,7 +607,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     exps = flags["KD_STATS"] + (flags["CE_STATS"] == 1)  # exponentials per logit and pass
     cfg = row_config(n, vocab, num_sms, write_grad,
                      launch.kd_keep_tiles(vocab, itemsize, softcap, exps))
-    inv_temp = 1.0 / temperature
+    inv_temp = inverse_temperature(temperature)
     cap = float(softcap or 1.0)
     scalars = (vocab, k, vocab, inv_temp, ignore_index, float(smoothing), float(z_loss), cap)
     fused = cfg.num_splits == 1

@@ -24,9 +24,11 @@ CHUNK_BUDGET_BYTES = 128 << 20
 # XLA temporaries beyond inputs and gradients (benchmarks/results/linear_ce_h100.csv, NOTES.md):
 #   "low_precision": C=512 1.23x 0.17 GiB | 1024 1.10x 0.31 GiB
 #   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.09x 2.08 GiB (the float32 dW dominates)
-# "lean" updates no dW in its forward: the budget alone sets its chunk. float32 logits run
-# float32 matmuls (far fewer flops per second): no floor.
-MIN_ROWS_16BIT = {"fast": 4096, "low_precision": 1024, "lean": 1}
+# "lean" updates no dW in its forward, but its chunk's logits GEMM runs at M = C as well:
+#   "lean":          C=512 1.55x | 1024 (and its backward's blocks of 1024 * V logits) 1.47x
+# (its backward's blocks keep the budget: `budget_rows`). float32 logits run float32 matmuls
+# (far fewer flops per second): no floor.
+MIN_ROWS_16BIT = {"fast": 4096, "low_precision": 1024, "lean": 1024}
 
 
 def chunk_rows(n: int, vocab: int, itemsize: int, mode: str) -> int:
@@ -52,6 +54,12 @@ def chunk_rows(n: int, vocab: int, itemsize: int, mode: str) -> int:
 MIN_BLOCK_COLS = 4096
 # ... and the columns are a multiple of this (a GEMM tile).
 BLOCK_COL_ALIGN = 128
+
+
+def budget_rows(vocab: int, itemsize: int) -> int:
+    """Rows of `vocab` logits within CHUNK_BUDGET_BYTES (the lean backward's default block
+    holds `budget_rows * vocab` logits: 512 * V at V=128256 in bf16)."""
+    return max(1, CHUNK_BUDGET_BYTES // (vocab * itemsize))
 
 
 def vocab_block(n: int, vocab: int, chunk: int) -> tuple[int, int]:
