@@ -1,18 +1,25 @@
-"""Distil a trained teacher into a smaller student with `jax_fusedloss.distill_loss`.
+"""Distil a trained teacher into a smaller student with `jax_fusedloss.linear_distill_loss`.
 
-A teacher is trained in-process (as in `train_lm.py`), then two students with the same
+A teacher is trained in-process (as in `train_lm.py`), then students with the same
 initialisation, data, order and number of steps:
 
-* `distilled`: `distill_loss(student_logits, labels, teacher_ids, teacher_logprobs,
-  alpha=ALPHA)` = `alpha * cross-entropy + (1 - alpha) * KL(teacher || student)` over the
-  teacher's top-K token ids, with the teacher's log-probabilities computed on the fly (the
-  teacher is frozen and runs inside the student's jitted train step);
+* `distilled`: `linear_distill_loss(student_hidden, head_table, labels, teacher_ids,
+  teacher_logprobs, alpha=ALPHA)` = `alpha * cross-entropy + (1 - alpha) * KD` over the
+  teacher's top-K token ids, the student's LM head fused in (its `[B, T, V]` logits never
+  exist), with the teacher's log-probabilities computed on the fly (the teacher is frozen and
+  runs inside the student's jitted train step). `--tail` adds the (K+1)-th "tail" bucket
+  (the KD term becomes a true divergence), `--divergence jsd` takes the generalised
+  Jensen-Shannon divergence over those buckets instead of the forward KL;
+* `distilled-logits` (unless `--no-logits-path`): the same loss through `distill_loss` on the
+  student's materialised logits, to compare validation loss and memory;
 * `baseline`: `jax_fusedloss.cross_entropy` on the labels alone.
 
-Both are scored by the same validation cross-entropy.
+All are scored by the same validation cross-entropy; `metrics.json` also holds each
+distilled objective's loss + gradient temporaries (XLA's memory_analysis) and, on a GPU, the
+device's peak memory after each run.
 
     python -m examples.distill                         # CPU default: a few minutes on 2 cores
-    python -m examples.distill --preset gpu --out out/distill_gpu
+    python -m examples.distill --preset gpu --tail --divergence jsd --out out/distill_gpu
 
 Writes `metrics.json` and `loss_curves.png` to `--out`.
 """
@@ -76,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.5,
                    help="weight of the label cross-entropy; 1 - alpha weighs the KD term")
     p.add_argument("--temperature", type=float, default=1.0, help="KD temperature")
+    p.add_argument("--tail", action="store_true",
+                   help="add the teacher's residual mass as a (K+1)-th bucket")
+    p.add_argument("--divergence", choices=["kl", "jsd"], default="kl",
+                   help="KD divergence (jsd needs --tail)")
+    p.add_argument("--beta", type=float, default=0.5, help="the jsd's beta, in (0, 1)")
+    p.add_argument("--no-logits-path", action="store_true",
+                   help="skip the student trained through distill_loss on its logits")
     p.add_argument("--z-loss", type=float, default=1e-4, help="teacher z-loss coefficient")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--warmup-frac", type=float, default=0.1, help="warm-up steps / steps")
@@ -94,6 +108,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = _common.apply_preset(build_parser().parse_args(argv), PRESETS)
     if not 0.0 <= args.alpha <= 1.0:
         raise SystemExit(f"--alpha={args.alpha} must lie in [0, 1]")
+    if args.divergence == "jsd" and not args.tail:
+        raise SystemExit("--divergence jsd needs --tail")
     return args
 
 
@@ -106,21 +122,37 @@ def teacher_top_k(teacher: nnx.Module, x: jax.Array, k: int,
     return top_ids, top_logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def distill_objective(k: int, alpha: float, temperature: float) -> _common.LossFn:
-    """The student's `LossFn`: `distill_loss` against the teacher passed as `aux`.
+def distill_objective(k: int, alpha: float, temperature: float, *, fused: bool = True,
+                      tail: bool = False, divergence: str = "kl",
+                      beta: float = 0.5) -> _common.LossFn:
+    """The student's `LossFn` against the teacher passed as `aux`: `linear_distill_loss` of
+    the student's final hidden states and tied embedding table (`fused`), or `distill_loss`
+    of its logits.
 
     Padding tokens (label `IGNORE_INDEX`) are skipped by both terms. With a temperature T the
     teacher's log-probabilities are taken at T as well, and the KD term is scaled by T**2
     (Hinton et al., 2015); at the default T = 1 both are no-ops.
     """
+    opts = dict(alpha=alpha, temperature=temperature, ignore_index=_data.IGNORE_INDEX,
+                temperature_squared=True, tail=tail, divergence=divergence, beta=beta)
 
     def loss_fn(student: nnx.Module, teacher: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         ids, logprobs = teacher_top_k(teacher, x, k, temperature)
-        return jax_fusedloss.distill_loss(
-            student(x), y, ids, logprobs, alpha=alpha, temperature=temperature,
-            ignore_index=_data.IGNORE_INDEX, temperature_squared=True)
+        if fused:
+            return jax_fusedloss.linear_distill_loss(
+                student.hidden(x), student.head_table(), y, ids, logprobs,
+                weight_layout="vd", **opts)
+        return jax_fusedloss.distill_loss(student(x), y, ids, logprobs, **opts)
 
     return loss_fn
+
+
+def _temp_bytes(model: nnx.Module, objective: _common.LossFn, teacher: Any, data,
+                args) -> int | None:
+    """The compiled loss + gradient's temporaries on one training batch."""
+    x, y = next(_data.batches(data.train_inputs, data.train_labels, args.batch, args.seed))
+    return _common.loss_grad_temp_bytes(
+        model, lambda m, aux, x, y: objective(m, teacher, x, y), x, y)
 
 
 def _summary(hist: dict, model: nnx.Module) -> dict:
@@ -148,18 +180,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
         dataclasses.replace(train_cfg, steps=args.teacher_steps), desc="teacher")
     runs = {"teacher": teacher_hist}
     students = {}
-    objectives = {"distilled": (distill_objective(args.k, args.alpha, args.temperature), teacher),
-                  "baseline": (_common.ce_objective("fused", 0.0), None)}
-    labels = {"distilled": f"{args.alpha:g}*ce+{1 - args.alpha:g}*kd", "baseline": "ce"}
+    kd_opts = dict(tail=args.tail, divergence=args.divergence, beta=args.beta)
+    objectives = {"distilled": (distill_objective(args.k, args.alpha, args.temperature,
+                                                  **kd_opts), teacher)}
+    if not args.no_logits_path:
+        objectives["distilled-logits"] = (distill_objective(
+            args.k, args.alpha, args.temperature, fused=False, **kd_opts), teacher)
+    objectives["baseline"] = (_common.ce_objective("fused", 0.0), None)
+    kd_name = args.divergence + ("+tail" if args.tail else "")
+    labels = {"distilled": f"{args.alpha:g}*ce+{1 - args.alpha:g}*{kd_name}",
+              "distilled-logits": f"{args.alpha:g}*ce+{1 - args.alpha:g}*{kd_name} (logits)",
+              "baseline": "ce"}
     for name, (objective, aux) in objectives.items():
         student = _common.TransformerLM(student_cfg, rngs=nnx.Rngs(args.seed))
+        temps = None if aux is None else _temp_bytes(student, objective, aux, data, args)
         runs[name] = _common.train(student, objective, data, train_cfg, aux=aux,
                                    desc=f"student ({name})", loss_label=labels[name])
-        students[name] = _summary(runs[name], student)
+        students[name] = dict(_summary(runs[name], student), loss_grad_temp_bytes=temps,
+                              peak_memory_bytes_after=_common.peak_memory_bytes())
 
     metrics = dict(
         val_loss_distilled=runs["distilled"]["final_val_loss"],
         val_loss_baseline=runs["baseline"]["final_val_loss"],
+        val_loss_distilled_logits=runs.get("distilled-logits", {}).get("final_val_loss"),
         teacher_val_loss=teacher_hist["final_val_loss"],
         teacher=_summary(teacher_hist, teacher), students=students,
         runtime=_common.runtime_info(), data=data.info,
@@ -167,13 +210,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
         student_model=dataclasses.asdict(student_cfg),
         args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})
     _common.plot_curves(runs, args.out / "loss_curves.png",
-                        f"distill: top-{args.k}, alpha={args.alpha}, T={args.temperature} "
+                        f"distill: top-{args.k} {kd_name}, alpha={args.alpha}, "
+                        f"T={args.temperature} "
                         f"({students['distilled']['num_params'] / 1e6:.2f}M-parameter students)",
                         no_train_curve=("distilled",))
     _common.write_metrics(metrics, args.out)
     print(f"validation loss: teacher {metrics['teacher_val_loss']:.4f} | student distilled "
-          f"{metrics['val_loss_distilled']:.4f} | student baseline "
+          f"(LM head fused) {metrics['val_loss_distilled']:.4f} | student baseline "
           f"{metrics['val_loss_baseline']:.4f} | wrote {args.out}")
+    for name, st in students.items():
+        if st["loss_grad_temp_bytes"] is not None:
+            peak = st["peak_memory_bytes_after"]
+            print(f"  {name}: val {st['final_val_loss']:.4f}, loss+grad temporaries "
+                  f"{st['loss_grad_temp_bytes'] / 2**20:.1f} MiB"
+                  + ("" if peak is None else f", device peak so far {peak / 2**20:.0f} MiB"))
     return metrics
 
 

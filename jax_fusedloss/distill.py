@@ -6,8 +6,8 @@ import jax.numpy as jnp
 
 from jax_fusedloss import _common, _op, _validate
 from jax_fusedloss.cross_entropy import check_ce_options
-from jax_fusedloss.kd import (KDOptions, check_options, check_teacher, mean_denominator,
-                              prepare_entries, run_rows)
+from jax_fusedloss.kd import (KDOptions, check_divergence, check_options, check_teacher,
+                              prepare_entries, row_scales, run_rows, token_weights)
 
 
 @_common.public
@@ -29,6 +29,11 @@ def distill_loss(
     num_items: int | jax.Array | None = None,
     temperature_squared: bool = False,
     check_labels: bool = False,
+    tail: bool = False,
+    divergence: str = "kl",
+    beta: float = 0.5,
+    weights: jax.Array | None = None,
+    where: jax.Array | None = None,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
@@ -71,6 +76,15 @@ def distill_loss(
     number of tokens with at least one counting teacher entry (each 0 when its count is 0),
     or both by `num_items` when given.
 
+    `tail`, `divergence` and `beta` choose the KD term :math:`\mathrm{KL}_T` exactly as in
+    `kd_loss` (the (K+1)-bucket "kl" or "jsd" of the student's softmax of z / T).
+
+    Per-token weights (`weights`, `where`; no gradient flows to them) multiply each token's
+    :math:`\ell`; `where=False` makes a token ignored (as its label being `ignore_index`).
+    With weights "mean" divides each term's sum by the sum of the weights of the tokens it
+    counts (a zero sum counts as 1) unless `num_items` is given. They are per-row scales of
+    the fused gradient.
+
     Args:
       student_logits: `[..., V]` float32, bfloat16 or float16.
       labels: `[...]` integer class ids in `[0, V)`, or `ignore_index`.
@@ -93,6 +107,9 @@ def distill_loss(
         `[0, V)` that is not `ignore_index` (its index and value, and how many there are),
         checked at run time through `jax.debug.callback` (under `jax.jit` JAX re-raises it as
         a `JaxRuntimeError` carrying that message); costs a device-to-host sync per call.
+      tail, divergence, beta: the KD term's form (see `kd_loss`).
+      weights: optional float `[...]` per-token weights, broadcast against `labels.shape`.
+      where: optional bool `[...]`: False tokens are ignored.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); under `jax.jit` the op partitions itself.
@@ -103,7 +120,7 @@ def distill_loss(
 
     Raises:
       TypeError / ValueError at trace time for bad shapes, dtypes or options (as `kd_loss`,
-      plus labels, alpha, the cross-entropy options and a T**2 that overflows).
+      plus labels, alpha and the cross-entropy options).
 
     Example:
       >>> student = jax.random.normal(jax.random.key(0), (4, 8, 1000))
@@ -120,6 +137,7 @@ def distill_loss(
     _common.check_int_array(labels, "labels", student_logits.shape[:-1],
                             "student_logits.shape[:-1]")
     t = check_options(temperature, normalize, reduction, num_items, implementation)
+    tail, divergence, beta = check_divergence(tail, divergence, beta, normalize)
     alpha = _common.check_static_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _common.check_static_int(ignore_index, "ignore_index")
     smoothing, z_loss, softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
@@ -128,22 +146,21 @@ def distill_loss(
     vocab = _common.vocab_size(student_logits, vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)
     _common.check_labels(labels, vocab, ignore_index, enabled=check_labels)
+    w, keep = token_weights(weights, where, lead)
+    if keep is not None:  # where=False: the token is ignored by both terms
+        y = jnp.where(keep, y, jnp.int32(ignore_index))
     active = y != ignore_index
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
                                             active, vocab_axis)
     n = x.shape[0]
     if n == 0:
         return _op.empty_loss(lead, reduction)
-    ce_w = jnp.float32(alpha)
-    kd_w = jnp.float32((1.0 - float(alpha)) * _validate.check_temperature_squared(
-        t, temperature_squared))
-    if reduction == "mean":
-        ce_w = ce_w / mean_denominator(jnp.sum(active), num_items)
-        kd_w = kd_w / mean_denominator(jnp.sum(has_entry), num_items)
-    row_scale = jnp.stack([jnp.broadcast_to(ce_w, (n,)), jnp.broadcast_to(kd_w, (n,))], axis=1)
+    kd_w = (1.0 - float(alpha)) * _validate.check_temperature_squared(t, temperature_squared)
+    row_scale = row_scales(n, ((alpha, active), (kd_w, has_entry)), w, reduction, num_items)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=True,
                      ignore_index=int(ignore_index), implementation="",
                      vocab_axis=vocab_axis, smoothing=smoothing,
-                     z_loss=z_loss, softcap=softcap)
+                     z_loss=z_loss, softcap=softcap, tail=tail, divergence=divergence,
+                     beta=beta)
     loss = run_rows(x, ids, lp, y, row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

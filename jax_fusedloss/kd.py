@@ -1,123 +1,26 @@
-"""Top-K knowledge distillation: kd_loss, the op hooks shared with distill_loss, the launches.
+"""Top-K knowledge distillation: kd_loss and the op (`_Distill`) shared with distill_loss.
 
 distill_loss (jax_fusedloss/distill.py) runs the same machinery with a label cross-entropy
-folded into the same pass over the student logits.
+folded into the same pass over the student logits; the row functions and options live in
+`_kd_rows`, the checks and row preparation in `_kd_inputs`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op, _sharding, _triton_jax, _validate
-from jax_fusedloss._xla import chunks as _xla_chunks
-from jax_fusedloss._xla import kd as _xla_kd
-from jax_fusedloss.cross_entropy import scale_row_fns
-
-NORMALIZATIONS = _validate.NORMALIZATIONS
-
-
-class KDOptions(NamedTuple):
-    temperature: float
-    normalize: str
-    reduction: str
-    distill: bool  # a label cross-entropy term is part of the row loss (distill_loss)
-    ignore_index: int
-    implementation: str
-    vocab_axis: str | tuple[str, ...] | None = None
-    # distill_loss's cross-entropy options (cross_entropy's meaning): smoothing and z-loss of
-    # the cross-entropy term; the softcap of the logits both terms see (kd_loss: the defaults).
-    smoothing: float = 0.0
-    z_loss: float = 0.0
-    softcap: float | None = None
-
-
-# ----------------------------------------------------------------------------- Triton launches
-def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
-    """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient: kd_fwd_plan."""
-    from jax_fusedloss.kernels import kd
-
-    def plan(n, vocab):
-        return kd.kd_fwd_plan(n, vocab, ids.shape[-1], temperature=opts.temperature,
-                              normalize=opts.normalize, distill=opts.distill,
-                              ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
-                              write_grad=write_grad, smoothing=opts.smoothing,
-                              z_loss=opts.z_loss, softcap=opts.softcap,
-                              itemsize=x.dtype.itemsize)
-
-    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
-                                row_scale)
-
-
-# ----------------------------------------------------------------------------- row functions
-def _vp_gathers(x, ids, y, opts: KDOptions, axes):
-    """Slice offset, global vocabulary, the vocabulary statistics (vocab_stats) merged over
-    the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
-    vocab = x.shape[1]
-    off = _sharding.slice_offset(vocab, axes)
-    xk = _xla_kd.slice_gather(x, ids, off)
-    xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
-    m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
-                        else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
-    m_all = jax.lax.pmax(m, axes)
-    shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
-    weights = (jnp.exp(shift), jnp.exp(shift * _validate.inverse_temperature(opts.temperature)),
-               1.0)  # sums relative to m
-    sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
-    total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
-    merged = iter(total[..., i] for i in range(len(sums)))
-    vstats = (m_all,) + tuple(None if a is None else next(merged) for a in (s, s_kd, sumz))
-    return (off, _sharding.global_vocab(vocab, axes), vstats, total[..., len(sums) + 1:],
-            total[..., len(sums)])
-
-
-def _row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
-    """fwd: (x, ids, lp, y, row_scale) -> (loss, stats); fwd_grad adds the unit-cotangent
-    gradient; bwd: (x, ids, lp, y, stats) -> grad. The vocabulary-parallel forms run the XLA
-    formulation on each slice: statistics merged with O(N) all-reduces, x at the teacher ids
-    with one O(N*K) all-reduce."""
-    if impl == "triton":
-        def fwd(x, ids, lp, y, rs):
-            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=False)
-
-        def fwd_grad(x, ids, lp, y, rs):
-            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=True)
-    else:
-        def fwd(x, ids, lp, y, rs):
-            return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts)
-
-        def fwd_grad(x, ids, lp, y, rs):
-            loss, stats = fwd(x, ids, lp, y, rs)
-            return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
-
-    def fwd_vp(x, ids, lp, y, rs, axes):
-        _, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
-        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, vstats=vstats, xk=xk,
-                                xy=xy)
-
-    def bwd_vp(x, ids, lp, y, stats, axes):
-        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
-        return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
-
-    def fwd_grad_vp(x, ids, lp, y, rs, axes):
-        loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
-        return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
-
-    R, X = _sharding.ROW, _sharding.LIKE_X
-    return dict(
-        fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
-        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
-        bwd=_sharding.RowFns(lambda x, ids, lp, y, st: (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),),
-                             bwd_vp, (X,)),
-        scale=scale_row_fns(impl),
-    )
+from jax_fusedloss import _common, _op, _sharding
+from jax_fusedloss._kd_inputs import (NORMALIZATIONS, check_divergence, check_options,  # noqa: F401
+                                      check_teacher, mean_denominator, prepare_entries,
+                                      row_scales, token_weights)
+from jax_fusedloss._kd_rows import DIVERGENCES, KDOptions, row_fns  # noqa: F401
 
 
 def _call(opts: KDOptions, role: str, *arrays):
-    return _sharding.run(functools.partial(_row_fns, opts), opts, role, *arrays)
+    return _sharding.run(functools.partial(row_fns, opts), opts, role, *arrays)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -136,7 +39,8 @@ class _Distill(_op.RowOp):
 
     @property
     def fuses_grad(self) -> bool:
-        return self.opts.implementation == "triton"
+        # the tail rows are XLA's: their forward writes the gradient too (no second walk)
+        return self.opts.implementation == "triton" or self.opts.tail
 
     def call(self, role, *arrays):
         return _call(self.opts, role, *arrays)
@@ -165,8 +69,10 @@ MAX_TRITON_K = 65536
 def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
     """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row. More
     than MAX_TRITON_K teacher entries: implementation=None runs the XLA twin, "triton" raises
-    NotImplementedError."""
+    NotImplementedError; so do the tail forms (XLA rows only)."""
     k = ids.shape[1]
+    if opts.tail and implementation is None:
+        implementation = "xla"
     if k > MAX_TRITON_K:
         if implementation == "triton":
             raise NotImplementedError(
@@ -175,60 +81,6 @@ def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | No
                 f'implementation="xla" (or None) or fewer entries')
         implementation = "xla"
     return _op.apply(_Distill(opts), implementation, x, ids, lp, y, row_scale)
-
-
-# ----------------------------------------------------------------------------- validation
-def check_teacher(student_logits, teacher_ids, teacher_logprobs, mask) -> None:
-    """Trace-time checks shared by kd_loss and distill_loss."""
-    _common.check_logits(student_logits, "student_logits")
-    for name, a in (("teacher_ids", teacher_ids), ("teacher_logprobs", teacher_logprobs),
-                    ("mask", mask)):
-        if a is not None and not (hasattr(a, "shape") and hasattr(a, "dtype")):
-            raise TypeError(f"{name} must be an array, got {type(a).__name__}")
-    if not jnp.issubdtype(teacher_ids.dtype, jnp.integer):
-        raise _validate.integer_dtype_error("teacher_ids", teacher_ids.dtype)
-    _validate.check_teacher_shapes(student_logits.shape, teacher_ids.shape,
-                                   teacher_logprobs.shape, None if mask is None else mask.shape)
-    if not jnp.issubdtype(teacher_logprobs.dtype, jnp.floating):
-        raise TypeError(f"teacher_logprobs.dtype={teacher_logprobs.dtype} must be a float type")
-
-
-def check_options(temperature, normalize, reduction, num_items, implementation) -> float:
-    """Checks the options shared by kd_loss and distill_loss; returns the temperature."""
-    t = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
-    _common.check_choice(normalize, "normalize", NORMALIZATIONS)
-    _common.check_choice(reduction, "reduction", _common.REDUCTIONS)
-    _common.check_implementation(implementation)
-    if _validate.check_num_items(num_items, reduction):
-        _validate.check_scalar_shape(jnp.shape(num_items), "num_items")
-    return t
-
-
-def prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask, active=None,
-                    vocab_axis=None):
-    """Rows [N, V], int32 ids [N, K] with -1 at every entry that does not count (masked, out
-    of [0, V), or in an inactive row), float32 log-probs [N, K] and whether each row has a
-    counting entry [N]."""
-    k = teacher_ids.shape[-1]
-    vocab = student_logits.shape[-1]
-    if vocab_axis is not None:  # inside shard_map: the logits are one slice of the vocabulary
-        vocab *= jax.lax.axis_size(vocab_axis)
-    ids = teacher_ids.reshape(-1, k)
-    valid = (ids >= 0) & (ids < vocab)
-    if mask is not None:
-        valid = valid & (mask.reshape(-1, k) != 0)
-    if active is not None:
-        valid = valid & active[:, None]
-    ids32 = jnp.where(valid, jnp.where(valid, ids, 0).astype(jnp.int32), -1)
-    lp = teacher_logprobs.reshape(-1, k).astype(jnp.float32)
-    return _common.flatten_rows(student_logits), ids32, lp, valid.any(axis=1)
-
-
-def mean_denominator(count: jax.Array, num_items) -> jax.Array:
-    """num_items as float32 when given, else max(count, 1) (so nothing counted gives 0)."""
-    if num_items is not None:
-        return jnp.asarray(num_items).astype(jnp.float32)
-    return jnp.maximum(count, 1).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -243,6 +95,11 @@ def kd_loss(
     normalize: str = "full",
     reduction: str = "mean",
     num_items: int | jax.Array | None = None,
+    tail: bool = False,
+    divergence: str = "kl",
+    beta: float = 0.5,
+    weights: jax.Array | None = None,
+    where: jax.Array | None = None,
     implementation: str | None = None,
     vocab_axis: str | tuple[str, ...] | None = None,
 ) -> jax.Array:
@@ -274,6 +131,39 @@ def kd_loss(
     column sums the entries' contributions. This is what autograd of the naive gather formula
     gives. Ids outside `[0, V)` count as masked: they add nothing and are never read.
 
+    The truncated KL above is not a divergence (it goes negative). `tail=True` (needs
+    normalize="full") makes it one: the distinct counting ids :math:`d \in \mathcal{D}` and a
+    tail bucket form a (K+1)-way categorical on each side,
+
+    .. math::
+        P_d = \sum_{k \in \mathcal{K},\, i_k = d} p_k, \quad
+        P_t = \max(0, 1 - \textstyle\sum_{k \in \mathcal{K}} p_k), \quad
+        Q_d = \mathrm{softmax}(s)_d, \quad
+        Q_t = \textstyle\sum_{j \notin \mathcal{D}} \mathrm{softmax}(s)_j
+
+    (:math:`Q_t` summed over the tail columns themselves, not as :math:`1 - \sum_d Q_d`; an id
+    listed twice is one bucket; :math:`P_t = 0` when the ids cover the whole vocabulary) and,
+    over the K+1 buckets b (zero-mass terms add nothing),
+
+    .. math::
+        \text{"kl"}: \sum_b P_b (\log P_b - \log Q_b), \qquad
+        \text{"jsd"}: \sum_b \beta P_b \log\frac{P_b}{M_b}
+            + (1 - \beta) Q_b \log\frac{Q_b}{M_b}, \quad M_b = \beta P_b + (1 - \beta) Q_b
+
+    Both are >= 0 (up to rounding) and 0 exactly when the student matches the teacher on the
+    ids and the tail. With :math:`G_b = \partial F / \partial Q_b` (kl: :math:`-P_b / Q_b`;
+    jsd: :math:`(1 - \beta) \log(Q_b / M_b)`) and :math:`C = \sum_b G_b Q_b` the gradient
+    w.r.t. :math:`s_j` is :math:`\mathrm{softmax}(s)_j (G_{b(j)} - C)`, divided by T for
+    `student_logits`. divergence="jsd" requires tail=True. The tail forms run on the XLA rows
+    (implementation="triton" raises NotImplementedError; None picks "xla"), writing the
+    gradient in the forward.
+
+    Per-token weights: each token's loss is multiplied by `weights` (no gradient flows to
+    them); `where=False` counts a token as absent (its entries masked). "mean" then divides by
+    the sum of the weights of the counted tokens (rows with a counting entry and `where` True;
+    a zero sum counts as 1) unless `num_items` is given. The weights are per-row scales of the
+    fused gradient: no extra pass over the logits.
+
     Args:
       student_logits: `[..., V]` float32, bfloat16 or float16.
       teacher_ids: `[..., K]` integer token ids, `1 <= K <= V` (more than 65536 entries run
@@ -293,6 +183,13 @@ def kd_loss(
         token count of a whole accumulated batch when this call sees one micro-batch. An int
         is checked; an array's value cannot be at trace time: 0 gives an inf (or NaN) loss and
         gradient, a negative one flips their sign.
+      tail: add the tail bucket (above); requires normalize="full".
+      divergence: "kl" (forward KL(teacher || student), the default) or "jsd" (requires
+        tail=True).
+      beta: the Jensen-Shannon weight in (0, 1) of "jsd" (0.5: the symmetric JSD).
+      weights: optional float `[...]` per-token weights, broadcast against the tokens'
+        shape `student_logits.shape[:-1]`; any sign.
+      where: optional bool `[...]` (optax's convention): False tokens are ignored.
       implementation: None (Triton on a CUDA GPU, XLA elsewhere), "triton" or "xla".
       vocab_axis: inside `jax.shard_map` only, the mesh axis (or axes) splitting the
         vocabulary (see `cross_entropy`); teacher ids stay global. Under `jax.jit` the op
@@ -314,23 +211,25 @@ def kd_loss(
 
     References:
       Hinton, Vinyals & Dean, "Distilling the Knowledge in a Neural Network", 2015.
+      verl RFC #7856 (the K+1 tail bucket); Agarwal et al., "On-Policy Distillation of
+      Language Models" (GKD), 2024 (the generalised JSD).
     """
     student_logits = _common.as_logits(student_logits, "student_logits")
     check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     t = check_options(temperature, normalize, reduction, num_items, implementation)
+    tail, divergence, beta = check_divergence(tail, divergence, beta, normalize)
     vocab_axis = _common.check_vocab_axis(vocab_axis, student_logits, "student_logits")
     lead = student_logits.shape[:-1]
+    w, keep = token_weights(weights, where, lead)
     x, ids, lp, has_entry = prepare_entries(student_logits, teacher_ids, teacher_logprobs, mask,
-                                            vocab_axis=vocab_axis)
+                                            keep, vocab_axis)
     n = x.shape[0]
     if n == 0:
         return _op.empty_loss(lead, reduction)
-    scale = jnp.float32(1.0)
-    if reduction == "mean":
-        scale = 1.0 / mean_denominator(jnp.sum(has_entry), num_items)
-    row_scale = jnp.stack([jnp.zeros((n,), jnp.float32), jnp.broadcast_to(scale, (n,))], axis=1)
+    row_scale = row_scales(n, ((0.0, None), (1.0, has_entry)), w, reduction, num_items)
     opts = KDOptions(temperature=t, normalize=normalize, reduction=reduction, distill=False,
                      ignore_index=-1, implementation="",
-                     vocab_axis=vocab_axis)
+                     vocab_axis=vocab_axis, tail=tail,
+                     divergence=divergence, beta=beta)
     loss = run_rows(x, ids, lp, jnp.zeros((n,), jnp.int32), row_scale, opts, implementation)
     return loss.reshape(lead) if reduction == "none" else loss

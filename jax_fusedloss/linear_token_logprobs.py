@@ -67,6 +67,7 @@ class _LinearLogprobs(_lm_head.HeadOp):
         return lse, ent, cot, jnp.where(owned, local, 0)
 
 
+@_common.public
 def linear_token_logprobs(
     hidden: jax.Array,
     weight: jax.Array,
@@ -146,8 +147,7 @@ def linear_token_logprobs(
     _common.check_choice(mode, "mode", MODES)
     _common.check_implementation(implementation)
     temperature = _common.check_static_float(temperature, "temperature", lo=0.0, lo_open=True)
-    return_entropy = _common.check_bool(return_entropy, "return_entropy")
-    vocab_axis = _common.check_axis_name(vocab_axis)
+    vocab_axis = _common.check_vocab_axis(vocab_axis, weight, "weight")
     lead = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     n = h.shape[0]

@@ -135,8 +135,9 @@ def test_distill_smoke(tmp_path, cache_dir, monkeypatch):
 
     monkeypatch.setattr(_common, "train", spy)
     metrics = distill.main(_tiny(tmp_path, cache_dir, "--teacher-steps", "10", "--steps", "6",
-                                 "--teacher-d-model", "64", "--d-model", "32", "--k", "8"))
-    for name in ("distilled", "baseline"):
+                                 "--teacher-d-model", "64", "--d-model", "32", "--k", "8",
+                                 "--tail", "--divergence", "jsd"))
+    for name in ("distilled", "distilled-logits", "baseline"):
         student = metrics["students"][name]
         assert student["final_loss"] < student["first_loss"]
         assert student["final_val_loss"] < student["first_val_loss"]
@@ -144,8 +145,12 @@ def test_distill_smoke(tmp_path, cache_dir, monkeypatch):
     first = {name: s["first_val_loss"] for name, s in metrics["students"].items()}
     assert first["distilled"] == first["baseline"], "students must start from one init"
     assert (tmp_path / "metrics.json").exists() and (tmp_path / "loss_curves.png").exists()
-    assert labels == [("teacher", "loss"), ("student (distilled)", "0.5*ce+0.5*kd"),
+    assert labels == [("teacher", "loss"), ("student (distilled)", "0.5*ce+0.5*jsd+tail"),
+                      ("student (distilled-logits)", "0.5*ce+0.5*jsd+tail (logits)"),
                       ("student (baseline)", "ce")], labels
+    fused, logits = (metrics["students"][n] for n in ("distilled", "distilled-logits"))
+    assert abs(fused["first_val_loss"] - logits["first_val_loss"]) < 1e-3
+    assert fused["loss_grad_temp_bytes"] > 0 and logits["loss_grad_temp_bytes"] > 0
 
 
 def test_mesh_flag_is_validated(tmp_path, cache_dir, capsys):

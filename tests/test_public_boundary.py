@@ -39,6 +39,9 @@ def _calls():
         "token_logprobs": (jfl.token_logprobs, (x, y), {}),
         "merge_partials": (jfl.merge_partials, (x, jnp.ones_like(x)), {}),
         "linear_cross_entropy": (jfl.linear_cross_entropy, (h, w, y), {}),
+        "linear_token_logprobs": (jfl.linear_token_logprobs, (h, w, y), {}),
+        "linear_kd_loss": (jfl.linear_kd_loss, (h, w, ids, lp), {}),
+        "linear_distill_loss": (jfl.linear_distill_loss, (h, w, y, ids, lp), {"alpha": 0.5}),
     }
 
 

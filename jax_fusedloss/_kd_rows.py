@@ -1,0 +1,166 @@
+"""Top-K distillation's options and row functions (kd_loss, distill_loss and their LM-head
+forms): the Triton launches, the XLA twins, their vocabulary-parallel forms, and the
+(K+1)-bucket "tail" rows (XLA only: `_xla/kd_tail.py`)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jax_fusedloss import _sharding, _triton_jax, _validate
+from jax_fusedloss._xla import chunks as _xla_chunks
+from jax_fusedloss._xla import kd as _xla_kd
+from jax_fusedloss._xla import kd_tail as _xla_tail
+from jax_fusedloss.cross_entropy import scale_row_fns
+
+DIVERGENCES = ("kl", "jsd")
+
+
+class KDOptions(NamedTuple):
+    temperature: float
+    normalize: str
+    reduction: str
+    distill: bool  # a label cross-entropy term is part of the row loss (distill_loss)
+    ignore_index: int
+    implementation: str
+    vocab_axis: str | tuple[str, ...] | None = None
+    # distill_loss's cross-entropy options (cross_entropy's meaning): smoothing and z-loss of
+    # the cross-entropy term; the softcap of the logits both terms see (kd_loss: the defaults).
+    smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    # the (K+1)-bucket forms (_xla/kd_tail.py): tail bucket on, "kl" or "jsd", jsd's beta
+    tail: bool = False
+    divergence: str = "kl"
+    beta: float = 0.5
+
+
+# ----------------------------------------------------------------------------- Triton launches
+def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
+    """Per-row (loss, stats) and, if write_grad, the unit-cotangent gradient: kd_fwd_plan."""
+    from jax_fusedloss.kernels import kd
+
+    def plan(n, vocab):
+        return kd.kd_fwd_plan(n, vocab, ids.shape[-1], temperature=opts.temperature,
+                              normalize=opts.normalize, distill=opts.distill,
+                              ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
+                              write_grad=write_grad, smoothing=opts.smoothing,
+                              z_loss=opts.z_loss, softcap=opts.softcap,
+                              itemsize=x.dtype.itemsize)
+
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
+                                row_scale)
+
+
+# ----------------------------------------------------------------------------- row functions
+def _vp_gathers(x, ids, y, opts: KDOptions, axes):
+    """Slice offset, global vocabulary, the vocabulary statistics (vocab_stats) merged over
+    the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
+    vocab = x.shape[1]
+    off = _sharding.slice_offset(vocab, axes)
+    xk = _xla_kd.slice_gather(x, ids, off)
+    xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
+    m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
+                        else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
+    m_all = jax.lax.pmax(m, axes)
+    shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
+    weights = (jnp.exp(shift), jnp.exp(shift * _validate.inverse_temperature(opts.temperature)),
+               1.0)  # sums relative to m
+    sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
+    total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
+    merged = iter(total[..., i] for i in range(len(sums)))
+    vstats = (m_all,) + tuple(None if a is None else next(merged) for a in (s, s_kd, sumz))
+    return (off, _sharding.global_vocab(vocab, axes), vstats, total[..., len(sums) + 1:],
+            total[..., len(sums)])
+
+
+def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
+    """fwd: (x, ids, lp, y, row_scale) -> (loss, stats); fwd_grad adds the unit-cotangent
+    gradient; bwd: (x, ids, lp, y, stats) -> grad. The vocabulary-parallel forms run the XLA
+    formulation on each slice: statistics merged with O(N) all-reduces, x at the teacher ids
+    with one O(N*K) all-reduce."""
+    if opts.tail:
+        return _tail_row_fns(opts, impl)
+    if impl == "triton":
+        def fwd(x, ids, lp, y, rs):
+            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=False)
+
+        def fwd_grad(x, ids, lp, y, rs):
+            return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=True)
+    else:
+        def fwd(x, ids, lp, y, rs):
+            return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts)
+
+        def fwd_grad(x, ids, lp, y, rs):
+            loss, stats = fwd(x, ids, lp, y, rs)
+            return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
+
+    def fwd_vp(x, ids, lp, y, rs, axes):
+        _, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, vstats=vstats, xk=xk,
+                                xy=xy)
+
+    def bwd_vp(x, ids, lp, y, stats, axes):
+        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+        return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
+
+    def fwd_grad_vp(x, ids, lp, y, rs, axes):
+        loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
+        return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
+
+    R, X = _sharding.ROW, _sharding.LIKE_X
+    return dict(
+        fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
+        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
+        bwd=_sharding.RowFns(lambda x, ids, lp, y, st: (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),),
+                             bwd_vp, (X,)),
+        scale=scale_row_fns(impl),
+    )
+
+
+def _tail_row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
+    """row_fns of the (K+1)-bucket forms: the XLA rows of `_xla/kd_tail.py` (no Triton kernel
+    yet: "triton" raises NotImplementedError, which implementation=None falls through)."""
+    if impl == "triton":
+        raise NotImplementedError(
+            "tail=True (and divergence=\"jsd\") run on the XLA rows only: use "
+            "implementation=\"xla\" or None")
+
+    def fwd(x, ids, lp, y, rs):
+        return _xla_tail.rows_fwd(x, ids, lp, y, rs, opts)
+
+    def bwd(x, ids, lp, y, st):
+        return (_xla_tail.rows_bwd(x, ids, lp, y, st, opts),)
+
+    def fwd_vp(x, ids, lp, y, rs, axes):
+        off, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        return _xla_tail.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, offset=off,
+                                  vstats=vstats, xk=xk, xy=xy,
+                                  psum=lambda a: jax.lax.psum(a, axes))
+
+    def bwd_vp(x, ids, lp, y, st, axes):
+        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+        return (_xla_tail.rows_bwd(x, ids, lp, y, st, opts, offset=off, vocab=vocab, xk=xk),)
+
+    def fwd_grad(x, ids, lp, y, rs):
+        loss, stats = fwd(x, ids, lp, y, rs)
+        return (loss, stats) + bwd(x, ids, lp, y, stats)
+
+    def fwd_grad_vp(x, ids, lp, y, rs, axes):
+        loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
+        return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
+
+    R, X = _sharding.ROW, _sharding.LIKE_X
+    return dict(
+        fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
+        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
+        bwd=_sharding.RowFns(bwd, bwd_vp, (X,)),
+        scale=scale_row_fns(impl),
+    )
+
+
+def stats_width(opts: KDOptions) -> int:
+    """Fields of the per-row statistics the forward rows return (9: kernels/kd.py's
+    STATS_FIELDS, not imported here since that module imports triton)."""
+    return _xla_tail.TAIL_FIELDS if opts.tail else 9
