@@ -42,6 +42,12 @@ JIT_LAYOUTS = {"Auto": {False: _ALL + _FSDP, True: _ALL[:3] + _FSDP},
 SHARD_MAP_LAYOUTS = {False: _ALL[:3], True: (("data", None), ("data", "model"))}
 
 
+def layouts_per_case(quick: bool = True) -> int:
+    """How many OK/FAIL lines one case prints (what the tests that run this harness expect)."""
+    return (len(JIT_LAYOUTS["Auto"][quick]) + len(JIT_LAYOUTS["Explicit"][quick])
+            + len(SHARD_MAP_LAYOUTS[quick]))
+
+
 def cases():
     """name -> (layout, with bias, loss(h, w, b, aux, impl, vocab_axis, reduction))."""
 

@@ -14,6 +14,7 @@ import torch_ref
 from jax_fusedloss import _lm_head
 from tests.helpers import assert_close, check_transformations, to_numpy, to_torch
 from tests.reference import jax_ref
+from tests.multidevice_linear_check import layouts_per_case  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -238,7 +239,7 @@ def test_four_cpu_devices(interpreter):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     out = proc.stdout + proc.stderr[-3000:]
     assert proc.returncode == 0 and all(ln.startswith("OK") for ln in lines), out
-    assert len(lines) == 3 * 8, out  # 3 cases x (3 Auto + 2 FSDP + 1 Explicit + 2 shard_map)
+    assert len(lines) == 3 * layouts_per_case(), out  # cases x layouts of the harness
 
 
 @pytest.mark.gpu

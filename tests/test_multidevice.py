@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from tests.multidevice_linear_check import layouts_per_case  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +86,6 @@ def test_four_cpu_devices_linear_cross_entropy(interpreter):
     out = proc.stdout + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and all(ln.startswith("OK") for ln in lines), out
-    # 3 cases x (3 Auto + 2 FSDP + 1 Explicit + 2 shard_map layouts)
-    assert len(lines) == 3 * 8, out
+    assert len(lines) == 3 * layouts_per_case(), out  # cases x layouts of the harness
 
 

@@ -5,6 +5,7 @@ rows, the gradient-in-forward, recomputing and lean backwards."""
 import os
 import subprocess
 import sys
+from tests.multidevice_linear_check import layouts_per_case  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,4 +19,4 @@ def test_four_cpu_devices_linear_kd(interpreter):
     out = proc.stdout + proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("OK", "FAIL"))]
     assert proc.returncode == 0 and all(ln.startswith("OK") for ln in lines), out
-    assert len(lines) == 4 * 6, out  # 4 cases x (3 Auto + 1 Explicit + 2 shard_map layouts)
+    assert len(lines) == 4 * layouts_per_case(), out  # cases x layouts of the harness
