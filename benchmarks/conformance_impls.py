@@ -283,6 +283,8 @@ def _run_cce(op: str, inp: Inputs, opts: dict):
     n, vocab = inp.x.shape
     if n > 1024:
         raise NotImplementedError("n/a: identity embedding needs N <= 1024")
+    if str(inp.x.dtype) not in ("bfloat16", "float16"):  # its backward refuses float32
+        raise NotImplementedError("n/a: backward needs bf16 or fp16 embeddings")
     d = -(-n // 16) * 16
     x = to_torch(inp.x, _device())
     c = torch.zeros(vocab, d, dtype=x.dtype, device=x.device)

@@ -105,6 +105,15 @@ def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
         off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
         return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
 
+    def bwd(x, ids, lp, y, st):
+        return (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),)
+
+    return _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp)
+
+
+def _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp) -> dict[str, _sharding.RowFns]:
+    """The role table of one implementation's KD rows; the vocabulary-parallel fused gradient
+    is the slice's forward followed by its backward."""
     def fwd_grad_vp(x, ids, lp, y, rs, axes):
         loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
         return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
@@ -113,8 +122,7 @@ def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
     return dict(
         fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
         fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
-        bwd=_sharding.RowFns(lambda x, ids, lp, y, st: (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),),
-                             bwd_vp, (X,)),
+        bwd=_sharding.RowFns(bwd, bwd_vp, (X,)),
         scale=scale_row_fns(impl),
     )
 
@@ -147,17 +155,7 @@ def _tail_row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
         loss, stats = fwd(x, ids, lp, y, rs)
         return (loss, stats) + bwd(x, ids, lp, y, stats)
 
-    def fwd_grad_vp(x, ids, lp, y, rs, axes):
-        loss, stats = fwd_vp(x, ids, lp, y, rs, axes)
-        return (loss, stats) + bwd_vp(x, ids, lp, y, stats, axes)
-
-    R, X = _sharding.ROW, _sharding.LIKE_X
-    return dict(
-        fwd=_sharding.RowFns(fwd, fwd_vp, (R, R)),
-        fwd_grad=_sharding.RowFns(fwd_grad, fwd_grad_vp, (R, R, X)),
-        bwd=_sharding.RowFns(bwd, bwd_vp, (X,)),
-        scale=scale_row_fns(impl),
-    )
+    return _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp)
 
 
 def stats_width(opts: KDOptions) -> int:

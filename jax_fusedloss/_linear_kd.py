@@ -71,25 +71,12 @@ class _LinearKD(_lm_head.HeadOp):
         return (*rest, jnp.broadcast_to(offset, off.shape).astype(jnp.int32))
 
 
-def _check_head(hidden, weight, bias, weight_layout) -> int:
-    """hidden / weight / bias checks (as linear_cross_entropy's); returns the vocabulary."""
-    _common.check_logits(hidden, "hidden")
-    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
-        raise TypeError(f"weight must be an array, got {type(weight).__name__}")
-    vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
-    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
-    if bias is not None:
-        _common.check_logits(bias, "bias")
-        _validate.check_shape_equal("bias", bias.shape, "(V,)", (vocab,))
-    return vocab
-
-
 def run_linear(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, bias,
                weight_layout, alpha, temperature, ignore_index, smoothing_opts, normalize,
                reduction, num_items, temperature_squared, tail, divergence, beta, weights,
                where, mode, implementation, chunk_size, vocab_axis):
     """The body of linear_kd_loss (labels None, alpha None) and linear_distill_loss."""
-    vocab = _check_head(hidden, weight, bias, weight_layout)
+    vocab = _lm_head.check_head(hidden, weight, bias, weight_layout)
     lead = hidden.shape[:-1]
     check_teacher_arrays(lead + (vocab,), teacher_ids, teacher_logprobs, mask)
     distill = labels is not None

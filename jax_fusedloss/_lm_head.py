@@ -47,7 +47,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _op, _sharding, _triton_jax
+from jax_fusedloss import _common, _op, _sharding, _triton_jax, _validate
+from jax_fusedloss.cross_entropy import scale_row_fns
 from jax_fusedloss.kernels import linear_ce as _plans
 
 MODES = ("fast", "lean", "low_precision")
@@ -104,6 +105,20 @@ class HeadOp:
 
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
+
+
+def check_head(hidden, weight, bias, weight_layout: str) -> int:
+    """Trace-time checks of a hidden-state op's `hidden` `[..., D]`, `weight` (`[D, V]` or
+    `[V, D]`, hidden's dtype) and optional `bias` `[V]`; returns V."""
+    _common.check_logits(hidden, "hidden", "D")
+    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+        raise TypeError(f"weight must be an array, got {type(weight).__name__}")
+    vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
+    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
+    if bias is not None:
+        _common.check_logits(bias, "bias")
+        _validate.check_shape_equal("bias", bias.shape, "(V,)", (vocab,))
+    return vocab
 
 
 def fuses_grad(op: HeadOp, dtype) -> bool:
@@ -342,8 +357,6 @@ def _scale(g, cot, impl: str):
     if g is None:
         return None
     if impl == "triton" and g.ndim == 2 and _triton_jax.on_cuda_gpu():
-        from jax_fusedloss.cross_entropy import scale_row_fns
-
         cots = jnp.broadcast_to(cot, g.shape[:1]).astype(jnp.float32)
         return _sharding.call_rows(scale_row_fns("triton"), None, g, cots)[0]
     return (g.astype(jnp.float32) * cot).astype(g.dtype)

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _lm_head, _validate, _weights
+from jax_fusedloss import _common, _lm_head, _weights
 from jax_fusedloss._lm_head import MODES, DEFAULT_MODE
 from jax_fusedloss.cross_entropy import CEOptions, _row_cotangent, _row_fns
 
@@ -67,15 +67,8 @@ class _LinearCE(_lm_head.HeadOp):
 
 
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
-    _common.check_logits(hidden, "hidden", "D")
-    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
-        raise TypeError(f"weight must be an array, got {type(weight).__name__}")
-    vocab = _validate.check_linear_weight(hidden.shape, weight.shape, weight_layout)
-    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
+    vocab = _lm_head.check_head(hidden, weight, bias, weight_layout)
     _common.check_int_array(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
-    if bias is not None:
-        _common.check_logits(bias, "bias")
-        _validate.check_shape_equal("bias", bias.shape, "(V,)", (vocab,))
     return vocab
 
 

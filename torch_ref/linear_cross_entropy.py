@@ -113,6 +113,21 @@ def vocab_walk(h, w, b, layout, chunk, needs, block_grad):
     return dh, dw, db
 
 
+def check_head(hidden, weight, bias, weight_layout: str) -> int:
+    """`hidden` `[..., D]`, `weight` (`[D, V]` or `[V, D]`, hidden's dtype) and optional `bias`
+    `[V]` of a hidden-state op, as jax_fusedloss._lm_head.check_head; returns V."""
+    _checks.check_logits(hidden, "hidden")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    vocab = _validate.check_linear_weight(tuple(hidden.shape), tuple(weight.shape),
+                                          weight_layout)
+    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
+    if bias is not None:
+        _checks.check_logits(bias, "bias")
+        _validate.check_shape_equal("bias", tuple(bias.shape), "(V,)", (vocab,))
+    return vocab
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
@@ -228,28 +243,19 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     in the backward), recomputed in the backward for reduction="none", return_lse, float16 and
     mode="lean" (the vocabulary walk). `mode` as in jax_fusedloss. First-order only (backward
     with create_graph=True raises)."""
-    _checks.check_logits(hidden, "hidden")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    vocab = _validate.check_linear_weight(tuple(hidden.shape), tuple(weight.shape),
-                                          weight_layout)
-    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
+    vocab = check_head(hidden, weight, bias, weight_layout)
     _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
-    if bias is not None:
-        _checks.check_logits(bias, "bias")
-        _validate.check_shape_equal("bias", tuple(bias.shape), "(V,)", (vocab,))
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
     _checks.check_choice(mode, "mode", MODES)
     smoothing, z_loss, logit_softcap = _checks.check_ce_options(label_smoothing, z_loss,
                                                                 logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     n = labels.numel()
-    block_chunk = budget_rows(vocab, hidden.element_size()) if chunk_size is None else None
-    if chunk_size is None:
+    if chunk_size is None:  # the lean backward's blocks: chunk_size * V logits, or the budget
         chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
+        block_chunk = budget_rows(vocab, hidden.element_size())
     else:
-        chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
-    block_chunk = block_chunk or chunk  # the lean backward's blocks: chunk_size * V logits
+        chunk = block_chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
     if n == 0:  # 0.0 whatever the weight holds (inf/NaN), as cross_entropy; gradients zero
         zero = (hidden.sum() + weight.sum()).float() * 0.0
         zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()

@@ -15,7 +15,7 @@ from torch_ref import _checks
 from torch_ref._checks import no_double_backward
 from torch_ref.cross_entropy import check_ce_options
 from torch_ref.kd import _check, _denominator, _prepare, _rows
-from torch_ref.linear_cross_entropy import _accumulate, _logits
+from torch_ref.linear_cross_entropy import _accumulate, _logits, check_head
 
 MODES = ("fast", "low_precision")
 
@@ -103,9 +103,7 @@ def _column(coef, counted, w, n, reduction, num_items, device):
 def _run(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, alpha, bias,
          weight_layout, temperature, ignore_index, ce, normalize, reduction, num_items,
          temperature_squared, tail, divergence, weights, where, mode, chunk_size):
-    _checks.check_logits(hidden, "hidden")
-    vocab = _validate.check_linear_weight(tuple(hidden.shape), tuple(weight.shape),
-                                          weight_layout)
+    vocab = check_head(hidden, weight, bias, weight_layout)
     lead = hidden.shape[:-1]
     _validate.check_teacher_shapes(tuple(lead) + (vocab,), tuple(teacher_ids.shape),
                                    tuple(teacher_logprobs.shape),

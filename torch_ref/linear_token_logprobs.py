@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from jax_fusedloss import _validate
 from torch_ref import _checks
 from torch_ref._checks import no_double_backward
-from torch_ref.linear_cross_entropy import MODES, _logits, default_chunk_size, recompute_grads
+from torch_ref.linear_cross_entropy import (MODES, _logits, check_head, default_chunk_size,
+                                            recompute_grads)
 from torch_ref.reductions import _bwd, _fwd
 
 
@@ -78,16 +78,8 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     """`jax_fusedloss.linear_token_logprobs` from PyTorch (see its docs): token chunks, torch
     matmuls, the same Triton reductions kernels; the backward recomputes the logits with the
     per-token cotangents folded in. First-order only."""
-    _checks.check_logits(hidden, "hidden")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    vocab = _validate.check_linear_weight(tuple(hidden.shape), tuple(weight.shape),
-                                          weight_layout)
-    _validate.check_same_dtype("weight", weight.dtype, "hidden", hidden.dtype)
+    vocab = check_head(hidden, weight, bias, weight_layout)
     _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
-    if bias is not None:
-        _checks.check_logits(bias, "bias")
-        _validate.check_shape_equal("bias", tuple(bias.shape), "(V,)", (vocab,))
     _checks.check_choice(mode, "mode", MODES)
     temperature = _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
     _checks.check_bool(return_entropy, "return_entropy")
