@@ -20,15 +20,17 @@ logits op runs through `_op`). Everything else is written once here:
   "low_precision": the same walk with dW summed in the weight's dtype (each chunk's product
   computed in float32 and rounded into the sum, as Liger does). As fast, no float32 buffer;
   dW rounded once per chunk.
-  "lean": the forward keeps only per-row statistics; the backward runs the vocabulary walk with
-  the cotangent folded in (four matmuls). No weight-sized temporary and dW exact to float32
-  accumulation; the price is the fourth matmul.
+  "lean": the forward's token walk keeps per-row statistics and computes dH for a unit
+  cotangent (`g W^T` per chunk, one full-K matmul: no float32 `[N, D]` sum); the backward
+  scales dH in place and runs the vocabulary walk for dW (and db) alone, the cotangent folded
+  in (four matmuls in all). No weight-sized temporary and dW exact to float32 accumulation;
+  the price is the fourth matmul.
   float16 inputs and per-token cotangents (a loss per token, a differentiable lse) never take
   the gradient-in-forward walk: a gradient for a unit cotangent rounded to float16 flushes
   entries a loss scale would have saved, and a per-token cotangent cannot be folded into dW
   afterwards. There the forward keeps statistics and the backward recomputes with the
   cotangent folded in: the token walk with dW summed in float32 ("fast") or the weight's
-  dtype ("low_precision"), the vocabulary walk ("lean").
+  dtype ("low_precision"), the vocabulary walk with dH summed in float32 as well ("lean").
 - **Partitioning** (`_sharding.call_dims`, one custom_partitioning rule over named dimensions
   "n d, d v, v, n... -> ..."): with the tokens of `hidden` sharded each device walks its own
   tokens and dW/db are summed across the token axes in the weight's dtype (a weight-sized
@@ -122,9 +124,9 @@ def check_head(hidden, weight, bias, weight_layout: str) -> int:
 
 
 def fuses_grad(op: HeadOp, dtype) -> bool:
-    """Whether the forward computes the gradients for a unit cotangent (see the module doc)."""
-    return (op.head.mode != "lean" and not op.per_row_cotangent()
-            and jnp.dtype(dtype) != jnp.float16)
+    """Whether the forward computes gradients for a unit cotangent (all three in "fast" and
+    "low_precision", dH alone in "lean"; see the module doc)."""
+    return not op.per_row_cotangent() and jnp.dtype(dtype) != jnp.float16
 
 
 def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
@@ -205,56 +207,75 @@ def _vma(*arrays) -> frozenset:
 
 
 # ----------------------------------------------------------------------------- the walks
-def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
-    """One pass over the token chunks of (this device's) hidden states.
+class _Role(NamedTuple):
+    walk: str  # "token" or "vocab"
+    rows: str  # the row function it runs ("fwd", "fwd_grad", "bwd")
+    stats: bool  # returns the forward's per-row statistics
+    dh: bool  # returns dH
+    dw: bool  # returns dW (and db)
 
-    role "fwd": the forward row function's per-row statistics; "fwd_grad": the same and the
-    unit-cotangent (dH, dW, db); "bwd" (rows: `op.bwd_rows`): (dH, dW, db). `ce(role, z,
-    *rows)` runs the row function on one chunk's logits (its vocabulary-parallel form when the
-    weight is a vocabulary slice). dW/db are this device's tokens' sums, dH its slice's."""
-    n, f32, head = h.shape[0], jnp.float32, op.head
+
+ROLES = {
+    "fwd": _Role("token", "fwd", True, False, False),
+    "fwd_grad": _Role("token", "fwd_grad", True, True, True),  # "fast", "low_precision"
+    "fwd_dh": _Role("token", "fwd_grad", True, True, False),  # "lean"'s forward
+    "bwd": _Role("token", "bwd", False, True, True),
+    "bwd_lean": _Role("vocab", "bwd", False, True, True),  # "lean", recomputing everything
+    "bwd_dw": _Role("vocab", "bwd", False, False, True),  # "lean" after "fwd_dh"
+}
+
+
+def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
+    """One pass over the token chunks of (this device's) hidden states: (stats..., dH, dW, db)
+    as `ROLES[role]` asks (None where it does not).
+
+    "fwd": the forward row function's per-row statistics; "fwd_grad": the same and the
+    unit-cotangent (dH, dW, db); "fwd_dh": the statistics and dH; "bwd" (rows:
+    `op.bwd_rows`): (dH, dW, db). `ce(role, z, *rows)` runs the row function on one chunk's
+    logits (its vocabulary-parallel form when the weight is a vocabulary slice). dW/db are
+    this device's tokens' sums, dH its slice's."""
+    n, f32, head, spec = h.shape[0], jnp.float32, op.head, ROLES[role]
     vma = _vma(h, w, b, *rows)
     row_vma = vma - frozenset(vocab_axes)
-    stats, grads = role != "bwd", role != "fwd"
-    init = ()
-    if stats:
-        init += tuple(_zeros((n,) + s, f32, row_vma) for s in op.stat_shapes())
-    if grads:
-        dw_dtype = f32 if head.mode == "fast" else w.dtype
-        init += (_zeros(h.shape, h.dtype, vma), _zeros(w.shape, dw_dtype, vma),
-                 None if b is None else _zeros(b.shape, f32, vma))
-    n_stats = len(op.stat_shapes()) if stats else 0
+    n_stats = len(op.stat_shapes()) if spec.stats else 0
+    init = tuple(_zeros((n,) + s, f32, row_vma) for s in op.stat_shapes()) if spec.stats else ()
+    dw_dtype = f32 if head.mode == "fast" else w.dtype
+    init += (_zeros(h.shape, h.dtype, vma) if spec.dh else None,
+             _zeros(w.shape, dw_dtype, vma) if spec.dw else None,
+             _zeros(b.shape, f32, vma) if spec.dw and b is not None else None)
 
     def body(start, size, carry):
         hc = _slice(h, start, size)
-        outs = ce(role, _logits(hc, w, b, head.layout), *(_slice(r, start, size) for r in rows))
+        outs = ce(spec.rows, _logits(hc, w, b, head.layout),
+                  *(_slice(r, start, size) for r in rows))
         new = tuple(_put(buf, start, o) for buf, o in zip(carry[:n_stats], outs[:n_stats]))
-        if grads:
-            dh, dw, db = carry[-3:]
-            g = outs[-1]
-            if db is not None:
-                db = db + jnp.sum(g.astype(f32), axis=0)
-            new += (_put(dh, start, _dh(g, w, head.layout)), dw + _dw(hc, g, head.layout,
-                                                                       dw.dtype), db)
-        return new
+        dh, dw, db = carry[-3:]
+        g = outs[-1]
+        if dh is not None:
+            dh = _put(dh, start, _dh(g, w, head.layout))
+        if dw is not None:
+            dw = dw + _dw(hc, g, head.layout, dw.dtype)
+        if db is not None:
+            db = db + jnp.sum(g.astype(f32), axis=0)
+        return new + (dh, dw, db)
 
     outs = _chunks(n, min(head.chunk, n), body, init)
-    if grads:  # dW leaves the walk in W's dtype ("fast": its float32 sum rounded once here)
-        outs = outs[:-2] + (outs[-2].astype(w.dtype), outs[-1])
-    return outs
+    dw = outs[-2]  # dW leaves the walk in W's dtype ("fast": its float32 sum rounded once here)
+    return outs[:-2] + (None if dw is None else dw.astype(w.dtype), outs[-1])
 
 
-def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=()):
+def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = True):
     """The lean backward: (dH, dW, db) from the backward row function `bwd(z, *rows)` over
-    blocks of `op.head.block` vocabulary columns (see the module doc). dH accumulates in
-    float32; each block of dW is one full-K matmul over the tokens (row chunks of
-    `block_rows` tokens sum into a float32 `[D, B]` block) written once in W's dtype."""
+    blocks of `op.head.block` vocabulary columns (see the module doc); dH is None without
+    `with_dh` (the forward computed it). dH accumulates in float32; each block of dW is one
+    full-K matmul over the tokens (row chunks of `block_rows` tokens sum into a float32
+    `[D, B]` block) written once in W's dtype."""
     n, f32, head = h.shape[0], jnp.float32, op.head
     vdim = _vocab_dim(head.layout)
     vocab = w.shape[vdim]
     vma = _vma(h, w, b, *rows)
     first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
-    init = (_zeros(h.shape, f32, vma), _zeros(w.shape, w.dtype, vma),
+    init = (_zeros(h.shape, f32, vma) if with_dh else None, _zeros(w.shape, w.dtype, vma),
             None if b is None else _zeros(b.shape, f32, vma))
     chunk = min(head.block_rows, n)
 
@@ -268,7 +289,8 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=()):
             dh, dwb, dbb = acc
             hc = _slice(h, r0, rs)
             g = bwd(_logits(hc, wb, bb, head.layout), *(_slice(r, r0, rs) for r in shifted))
-            dh = _put(dh, r0, _slice(dh, r0, rs) + _dh(g, wb, head.layout))
+            if dh is not None:
+                dh = _put(dh, r0, _slice(dh, r0, rs) + _dh(g, wb, head.layout))
             if dbb is not None:
                 dbb = dbb + jnp.sum(g.astype(f32), axis=0)
             if dwb is None:  # the whole block in one GEMM: float32 inside, W's dtype out
@@ -296,27 +318,25 @@ def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
     impl = op.opts.implementation
     if impl == "triton" and mesh is not None and mesh.size > 1 and not _triton_jax.on_cuda_gpu():
         impl = "xla"  # the interpreter's host callbacks cannot run in a partitioned program
-    fns = op.row_fns(impl)
+    fns, spec = op.row_fns(impl), ROLES[role]
 
     def ce(role, z, *r):
         return fns[role].vocab_parallel(z, *r, axes=vocab) if vocab else fns[role].local(z, *r)
 
     def local(h, w, *rest):
         b, rest = (rest[0], rest[1:]) if has_bias else (None, rest)
-        if role == "bwd_lean":
+        if spec.walk == "vocab":
             outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
-                               vocab_axes=vocab)
+                               vocab_axes=vocab, with_dh=spec.dh)
         else:
             outs = _token_walk(role, op, ce, h, w, b, *rest, vocab_axes=vocab)
-        if role == "fwd":
-            return outs
-        dh, dw, db = outs[-3:]
-        if vocab:
+        *stats, dh, dw, db = outs
+        if dh is not None and vocab:
             dh = jax.lax.psum(dh.astype(jnp.float32), vocab).astype(dh.dtype)
-        if rows:  # dW in W's dtype: the all-reduce moves the bytes of XLA's own gradient
+        if dw is not None and rows:  # in W's dtype: the all-reduce moves XLA's own bytes
             dw = jax.lax.psum(dw, rows)
             db = None if db is None else jax.lax.psum(db, rows)
-        return outs[:-3] + (dh, dw) + (() if db is None else (db,))
+        return tuple(stats) + tuple(x for x in (dh, dw, db) if x is not None)
 
     return local
 
@@ -326,10 +346,11 @@ def _letters(ndim: int, pool: list) -> str:
 
 
 def _run(role: str, op: HeadOp, h, w, b, *rows):
-    """The walk of `role` ("fwd", "fwd_grad", "bwd": token walk; "bwd_lean": vocabulary walk)
-    partitioned across devices: inside shard_map on the local shards (vocabulary-parallel over
-    `vocab_axis`; gradients summed across devices by the backward), elsewhere through
-    `_sharding.call_dims`."""
+    """The walk of `role` (`ROLES`) partitioned across devices: inside shard_map on the local
+    shards (vocabulary-parallel over `vocab_axis`; gradients summed across devices by the
+    backward), elsewhere through `_sharding.call_dims`. Returns the statistics ("fwd"), else
+    the statistics the role has and (dH, dW, db), None where the role has none."""
+    spec = ROLES[role]
     vocab_axes = _sharding._axes(op.opts.vocab_axis)
     has_bias = b is not None
     args = (h, w) + ((b,) if has_bias else ()) + rows
@@ -337,16 +358,24 @@ def _run(role: str, op: HeadOp, h, w, b, *rows):
         outs = _partition_body(role, op, has_bias, None, (), vocab_axes)(*args)
     else:
         wd = "dv" if op.head.layout == "dv" else "vd"
-        bias = ("v",) if has_bias else ()
         pool = list("cefgijklm")
-        in_dims = ("nd", wd) + bias + tuple(_letters(r.ndim, pool) for r in rows)
+        in_dims = ("nd", wd) + (("v",) if has_bias else ()) + tuple(
+            _letters(r.ndim, pool) for r in rows)
         out_dims = tuple(_letters(1 + len(s), pool) for s in op.stat_shapes()) \
-            if role in ("fwd", "fwd_grad") else ()
-        if role != "fwd":
-            out_dims += ("nd", wd) + bias
+            if spec.stats else ()
+        out_dims += (("nd",) if spec.dh else ()) + ((wd,) if spec.dw else ()) \
+            + (("v",) if spec.dw and has_bias else ())
         body = functools.partial(_partition_body, role, op, has_bias)
         outs = _sharding.call_dims(body, in_dims, out_dims, *args)
-    return tuple(outs) + ((None,) if role != "fwd" and not has_bias else ())
+    outs = list(outs)
+    n_stats = len(op.stat_shapes()) if spec.stats else 0
+    if role == "fwd":
+        return tuple(outs)
+    stats, rest = outs[:n_stats], iter(outs[n_stats:])
+    dh = next(rest) if spec.dh else None
+    dw = next(rest) if spec.dw else None
+    db = next(rest) if spec.dw and has_bias else None
+    return tuple(stats) + (dh, dw, db)
 
 
 # ----------------------------------------------------------------------------- custom_vjp
@@ -377,30 +406,41 @@ def _head(op: HeadOp, h, w, b, *aux):
     return op.primal(_run("fwd", op, h, w, b, *op.row_inputs(*aux)), *aux)
 
 
+def _forward_role(op: HeadOp, dtype) -> str:
+    if not fuses_grad(op, dtype):
+        return "fwd"
+    return "fwd_dh" if op.head.mode == "lean" else "fwd_grad"
+
+
 def _head_fwd(op: HeadOp, h, w, b, *aux):
     h, w, b, aux = _op.first_order_only(h, w, b, aux)
     rows = op.row_inputs(*aux)
-    if fuses_grad(op, h.dtype):
-        *stats, dh, dw, db = _run("fwd_grad", op, h, w, b, *rows)
-        stats = stats[:len(op.stat_shapes())]
-        return op.primal(stats, *aux), (True, (dh, dw, db), (h, w, b), aux, ())
-    stats = _run("fwd", op, h, w, b, *rows)
-    return op.primal(stats, *aux), (False, (), (h, w, b), aux, tuple(stats))
+    role = _forward_role(op, h.dtype)
+    if role == "fwd":
+        stats = _run("fwd", op, h, w, b, *rows)
+        return op.primal(stats, *aux), ((), (h, w, b), aux, tuple(stats))
+    *stats, dh, dw, db = _run(role, op, h, w, b, *rows)
+    stats = tuple(stats[:len(op.stat_shapes())])
+    return op.primal(stats, *aux), ((dh, dw, db), (h, w, b), aux, stats)
 
 
 def _head_bwd(op: HeadOp, res, cts):
-    fused, grads, (h, w, b), aux, stats = res
+    grads, (h, w, b), aux, stats = res
     grads, cts = _op.first_order_only(grads, cts)
-    impl = op.opts.implementation
+    role, impl = _forward_role(op, h.dtype), op.opts.implementation
     zero_aux = (None,) * len(aux)
-    if fused:
+    if role == "fwd_grad":  # the backward only scales
         cot = cts[0].astype(jnp.float32)
         dh, dw, db = grads
         return _finish((_scale(dh, cot, impl), _scale(dw, cot, impl),
                         None if db is None else db * cot), h, w, b) + zero_aux
     rows = op.bwd_rows(aux, stats, cts)
-    role = "bwd_lean" if op.head.mode == "lean" else "bwd"
-    return _finish(_run(role, op, h, w, b, *rows), h, w, b) + zero_aux
+    if role == "fwd_dh":  # "lean": dH from the forward, scaled; dW (and db) by the vocab walk
+        _, dw, db = _run("bwd_dw", op, h, w, b, *rows)
+        dh = _scale(grads[0], cts[0].astype(jnp.float32), impl)
+        return _finish((dh, dw, db), h, w, b) + zero_aux
+    walk = "bwd_lean" if op.head.mode == "lean" else "bwd"
+    return _finish(_run(walk, op, h, w, b, *rows), h, w, b) + zero_aux
 
 
 _head.defvjp(_head_fwd, _head_bwd)
