@@ -39,7 +39,7 @@ class _Distill(_op.RowOp):
 
     @property
     def fuses_grad(self) -> bool:
-        # the tail rows are XLA's: their forward writes the gradient too (no second walk)
+        # the XLA tail rows' forward writes the gradient too (no second walk)
         return self.opts.implementation == "triton" or self.opts.tail
 
     def call(self, role, *arrays):
@@ -69,10 +69,8 @@ MAX_TRITON_K = 65536
 def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
     """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row. More
     than MAX_TRITON_K teacher entries: implementation=None runs the XLA twin, "triton" raises
-    NotImplementedError; so do the tail forms (XLA rows only)."""
+    NotImplementedError."""
     k = ids.shape[1]
-    if opts.tail and implementation is None:
-        implementation = "xla"
     if k > MAX_TRITON_K:
         if implementation == "triton":
             raise NotImplementedError(
