@@ -134,8 +134,8 @@ def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
     columns in order)."""
     from jax_fusedloss.kernels import kd_tail
 
-    sid = jnp.sort(jnp.where(ids >= 0, ids, jnp.int32(kd_tail.NO_ID)), axis=1)
-    sid = jnp.concatenate([sid, jnp.full((ids.shape[0], 1), kd_tail.NO_ID, jnp.int32)], axis=1)
+    pad = jnp.full((ids.shape[0], 1), kd_tail.NO_ID.value, jnp.int32)
+    sid = jnp.concatenate([jnp.sort(jnp.where(ids >= 0, ids, pad), axis=1), pad], axis=1)
 
     def plan(n, vocab):
         return kd_tail.tail_fwd_plan(n, vocab, ids.shape[-1], write_grad=write_grad,

@@ -52,8 +52,8 @@ from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 # _xla/kd_tail.py's TAIL_FIELDS: q_j = exp((z_j - r) / T - lgS), q_j / Q_t =
 # exp((z_j - r) / T - lgS_t), softmax(z)_j = exp((z_j - r) - lg_x); the row weights at 3:5.
 TAIL_FIELDS = tl.constexpr(10)
-NO_ID = 2**31 - 1  # the sorted ids' padding: past every column
-FLT_MAX = 3.4028234663852886e38
+NO_ID = tl.constexpr(2**31 - 1)  # the sorted ids' padding: past every column
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -135,14 +135,14 @@ def _tail_walk(x_ptr, row_off, V, sid_row, nxt, idv, softcap, c_kd, BLOCK_V: tl.
     acc_z = tl.zeros([BLOCK_V], tl.float32)
     k0, k1, lo = vector_span(row_off, 0, V, ALIGN, VEC)
     if ALIGN < VEC:
-        cols, mask = edge_tile(0, V, lo, k1, VEC)
-        z, _ = load_z(x_ptr + row_off, cols, mask, softcap, HAS_SOFTCAP, EVICTION, True)
+        cols, in_edge = edge_tile(0, V, lo, k1, VEC)
+        ze, _dze = load_z(x_ptr + row_off, cols, in_edge, softcap, HAS_SOFTCAP, EVICTION, True)
         hit = tl.max(tl.where(cols[:, None] == idv[None, :], 1, 0), axis=1)
         e_t = tl.zeros([2 * VEC], tl.float32)
         e_x = tl.zeros([2 * VEC], tl.float32)
         e_z = tl.zeros([2 * VEC], tl.float32)
-        m, e_t, e_x, e_z = _fold(m, e_t, e_x, e_z, z, mask & (hit == 0), mask, c_kd, DISTILL,
-                                 SHARE_EXP, HAS_SMOOTHING)
+        m, e_t, e_x, e_z = _fold(m, e_t, e_x, e_z, ze, in_edge & (hit == 0), in_edge, c_kd,
+                                 DISTILL, SHARE_EXP, HAS_SMOOTHING)
         first = tl.arange(0, BLOCK_V) == 0
         acc_t = tl.where(first, tl.sum(e_t, axis=0), 0.0)
         acc_x = tl.where(first, tl.sum(e_x, axis=0), 0.0)
@@ -152,7 +152,7 @@ def _tail_walk(x_ptr, row_off, V, sid_row, nxt, idv, softcap, c_kd, BLOCK_V: tl.
     for k in range(k0, k1, BLOCK_V):
         t = k + tl.arange(0, BLOCK_V)
         mask = t < k1
-        z, _ = load_z(base, t, mask, softcap, HAS_SOFTCAP, EVICTION, True)
+        z, _dz = load_z(base, t, mask, softcap, HAS_SOFTCAP, EVICTION, True)
         keep = mask
         tile_end = lo + k + BLOCK_V
         while nxt < tile_end:  # the ids in this tile (earlier ones: the edge's, no-ops)
