@@ -152,9 +152,9 @@ def kd_loss(
     ids and the tail. With :math:`G_b = \partial F / \partial Q_b` (kl: :math:`-P_b / Q_b`;
     jsd: :math:`(1 - \beta) \log(Q_b / M_b)`) and :math:`C = \sum_b G_b Q_b` the gradient
     w.r.t. :math:`s_j` is :math:`\mathrm{softmax}(s)_j (G_{b(j)} - C)`, divided by T for
-    `student_logits`. divergence="jsd" requires tail=True. The tail forms run on the XLA rows
-    (implementation="triton" raises NotImplementedError; None picks "xla"), writing the
-    gradient in the forward.
+    `student_logits`. divergence="jsd" requires tail=True. The tail forms run on Triton
+    kernels (kernels/kd_tail.py) or their XLA twin, both writing the gradient in the forward;
+    with `vocab_axis` they run the XLA rows on each slice.
 
     Per-token weights: each token's loss is multiplied by `weights` (no gradient flows to
     them); `where=False` counts a token as absent (its entries masked). "mean" then divides by
