@@ -11,10 +11,15 @@ Default shape N=8192, D=4096, V=128256, K=64, bf16, weight `[V, D]`. Rows:
 - naive-{kd,distill}[-tail|-jsd]: logits materialised, full float32 log-softmax, a gather
   (the tail: a second log-sum-exp with the ids at -inf), XLA's autodiff;
 - {kd,distill}-<impl>-<mode>[-tail|-jsd]: ours, implementation "triton" (the KD kernels; the
-  tail forms run the XLA rows whatever is asked: implementation None) in each memory mode;
-- logits-kd-{triton,tail,jsd}: kd_loss on `[N, V]` bf16 logits, fwd+bwd, against the copy floor
-  (read the logits once, write their gradient once, at the measured copy bandwidth, as
-  benchmarks/run.py).
+  linear tail forms run the XLA rows whatever is asked: implementation None) in each memory
+  mode;
+- logits-kd-{triton,tail,jsd}: kd_loss on `[N, V]` bf16 logits, fwd+bwd, implementation
+  "triton" on a GPU (the tail forms: kernels/kd_tail.py), against the copy floor (read the
+  logits once, write their gradient once, at the measured copy bandwidth, as
+  benchmarks/run.py); logits-kd-xla-{tail,jsd}: the same through the XLA rows;
+  logits-naive-kd[-tail|-jsd]: the naive XLA formula on the logits (full float32
+  log-softmax, a gather, XLA's autodiff), against the same floor.
+  `--only logits-` runs these rows alone.
 Time: median (20th-80th percentile) ms of the host wall of the jitted step in a loop
 (benchmarks/timing.py). Memory: `temp_gib`, XLA's temporaries beyond inputs and outputs (the
 buffer assignment's memory_analysis). Rows go to `<out>/linear_kd.csv` with device, versions
@@ -72,7 +77,8 @@ def cases(smoke: bool) -> list[str]:
             names.append(f"naive-{fn}{form}")
             modes = ("fast", "low_precision", "lean") if form != "-jsd" else ("fast", "lean")
             names += [f"{fn}-{'xla' if smoke else 'triton'}-{m}{form}" for m in modes]
-    names += ["logits-kd-" + f for f in ("triton", "tail", "jsd")]
+    names += ["logits-kd-" + f for f in ("triton", "tail", "jsd", "xla-tail", "xla-jsd")]
+    names += ["logits-naive-kd" + f for f in FORMS]
     return names
 
 
@@ -85,11 +91,19 @@ def _case(name, h, w, y, ids, lp, t):
     if name == "matmuls-floor":
         g = (t * 1e-3).astype(h.dtype)
         return jax.jit(lambda h, w, g: (h @ w.T, g @ w, g.T @ h)), (h, w, g), None
+    if name.startswith("logits-naive-kd"):
+        from tests.reference.kd_tail_ref import gathered_tokens
+
+        opts = FORMS[name[len("logits-naive-kd"):]]
+        fn = jax.value_and_grad(lambda x: jax.numpy.mean(gathered_tokens(x, ids, lp, **opts)))
+        return jax.jit(fn), ((t * 0.5).astype(t.dtype),), 2 * t.nbytes
     if name.startswith("logits-kd-"):
         form = name.rsplit("-", 1)[1]
         opts = {"triton": {}, "tail": dict(tail=True),
                 "jsd": dict(tail=True, divergence="jsd")}[form]
-        impl = "triton" if form == "triton" and jax.default_backend() == "gpu" else None
+        impl = "triton" if jax.default_backend() == "gpu" else None
+        if name.startswith("logits-kd-xla-"):
+            impl = "xla"
         fn = jax.value_and_grad(lambda x: jfl.kd_loss(x, ids, lp, implementation=impl, **opts))
         return jax.jit(fn), ((t * 0.5).astype(t.dtype),), 2 * t.nbytes  # a student unlike t
     form = "-" + name.split("-")[-1] if name.endswith(("-tail", "-jsd")) else ""

@@ -1,6 +1,7 @@
 """Top-K distillation's options and row functions (kd_loss, distill_loss and their LM-head
 forms): the Triton launches, the XLA twins, their vocabulary-parallel forms, and the
-(K+1)-bucket "tail" rows (XLA only: `_xla/kd_tail.py`)."""
+(K+1)-bucket "tail" rows (kernels/kd_tail.py and their XLA twin `_xla/kd_tail.py`; the
+vocabulary-parallel tail rows are XLA's)."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -127,19 +128,62 @@ def _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp) -> dict[str, _sharding.R
     )
 
 
+def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
+    """Per-row (loss, stats) of the tail forms and, if write_grad, the unit-cotangent gradient:
+    kd_tail.tail_fwd_plan, which takes the row's valid ids sorted (its walk skips their
+    columns in order)."""
+    from jax_fusedloss.kernels import kd_tail
+
+    pad = jnp.full((ids.shape[0], 1), kd_tail.NO_ID.value, jnp.int32)
+    sid = jnp.concatenate([jnp.sort(jnp.where(ids >= 0, ids, pad), axis=1), pad], axis=1)
+
+    def plan(n, vocab):
+        return kd_tail.tail_fwd_plan(n, vocab, ids.shape[-1], write_grad=write_grad,
+                                     **_tail_kernel_options(opts))
+
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale", "sid"), x, ids, lp,
+                                y, row_scale, sid)
+
+
+def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions):
+    from jax_fusedloss.kernels import kd_tail
+
+    def plan(n, vocab):
+        return kd_tail.tail_bwd_plan(n, vocab, ids.shape[-1], num_sms=_triton_jax.num_sms(),
+                                     **_tail_kernel_options(opts))
+
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats"), x, ids, lp, y, stats)
+
+
+def _tail_kernel_options(opts: KDOptions) -> dict:
+    return dict(temperature=opts.temperature, divergence=opts.divergence, beta=opts.beta,
+                distill=opts.distill, ignore_index=opts.ignore_index,
+                smoothing=opts.smoothing, z_loss=opts.z_loss, softcap=opts.softcap)
+
+
 def _tail_row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
-    """row_fns of the (K+1)-bucket forms: the XLA rows of `_xla/kd_tail.py` (no Triton kernel
-    yet: "triton" raises NotImplementedError, which implementation=None falls through)."""
+    """row_fns of the (K+1)-bucket forms: kernels/kd_tail.py ("triton", its forward writing
+    the gradient too) or the XLA rows of `_xla/kd_tail.py`; both share one statistics layout.
+    The vocabulary-parallel forms are the XLA rows on each slice for either."""
     if impl == "triton":
-        raise NotImplementedError(
-            "tail=True (and divergence=\"jsd\") run on the XLA rows only: use "
-            "implementation=\"xla\" or None")
+        def fwd(x, ids, lp, y, rs):
+            return _triton_tail_fwd(x, ids, lp, y, rs, opts, write_grad=False)
 
-    def fwd(x, ids, lp, y, rs):
-        return _xla_tail.rows_fwd(x, ids, lp, y, rs, opts)
+        def fwd_grad(x, ids, lp, y, rs):
+            return _triton_tail_fwd(x, ids, lp, y, rs, opts, write_grad=True)
 
-    def bwd(x, ids, lp, y, st):
-        return (_xla_tail.rows_bwd(x, ids, lp, y, st, opts),)
+        def bwd(x, ids, lp, y, st):
+            return _triton_tail_bwd(x, ids, lp, y, st, opts)
+    else:
+        def fwd(x, ids, lp, y, rs):
+            return _xla_tail.rows_fwd(x, ids, lp, y, rs, opts)
+
+        def bwd(x, ids, lp, y, st):
+            return (_xla_tail.rows_bwd(x, ids, lp, y, st, opts),)
+
+        def fwd_grad(x, ids, lp, y, rs):
+            loss, stats = fwd(x, ids, lp, y, rs)
+            return (loss, stats) + bwd(x, ids, lp, y, stats)
 
     def fwd_vp(x, ids, lp, y, rs, axes):
         off, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
@@ -150,10 +194,6 @@ def _tail_row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
     def bwd_vp(x, ids, lp, y, st, axes):
         off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
         return (_xla_tail.rows_bwd(x, ids, lp, y, st, opts, offset=off, vocab=vocab, xk=xk),)
-
-    def fwd_grad(x, ids, lp, y, rs):
-        loss, stats = fwd(x, ids, lp, y, rs)
-        return (loss, stats) + bwd(x, ids, lp, y, stats)
 
     return _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp)
 

@@ -39,7 +39,7 @@ class _Distill(_op.RowOp):
 
     @property
     def fuses_grad(self) -> bool:
-        # the tail rows are XLA's: their forward writes the gradient too (no second walk)
+        # the XLA tail rows' forward writes the gradient too (no second walk)
         return self.opts.implementation == "triton" or self.opts.tail
 
     def call(self, role, *arrays):
@@ -69,10 +69,8 @@ MAX_TRITON_K = 65536
 def run_rows(x, ids, lp, y, row_scale, opts: KDOptions, implementation: str | None):
     """Dispatches the per-row machinery; returns the reduced loss or float32 [N] per row. More
     than MAX_TRITON_K teacher entries: implementation=None runs the XLA twin, "triton" raises
-    NotImplementedError; so do the tail forms (XLA rows only)."""
+    NotImplementedError."""
     k = ids.shape[1]
-    if opts.tail and implementation is None:
-        implementation = "xla"
     if k > MAX_TRITON_K:
         if implementation == "triton":
             raise NotImplementedError(
@@ -154,9 +152,9 @@ def kd_loss(
     ids and the tail. With :math:`G_b = \partial F / \partial Q_b` (kl: :math:`-P_b / Q_b`;
     jsd: :math:`(1 - \beta) \log(Q_b / M_b)`) and :math:`C = \sum_b G_b Q_b` the gradient
     w.r.t. :math:`s_j` is :math:`\mathrm{softmax}(s)_j (G_{b(j)} - C)`, divided by T for
-    `student_logits`. divergence="jsd" requires tail=True. The tail forms run on the XLA rows
-    (implementation="triton" raises NotImplementedError; None picks "xla"), writing the
-    gradient in the forward.
+    `student_logits`. divergence="jsd" requires tail=True. The tail forms run on Triton
+    kernels (kernels/kd_tail.py) or their XLA twin, both writing the gradient in the forward;
+    with `vocab_axis` they run the XLA rows on each slice.
 
     Per-token weights: each token's loss is multiplied by `weights` (no gradient flows to
     them); `where=False` counts a token as absent (its entries masked). "mean" then divides by

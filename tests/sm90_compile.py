@@ -25,9 +25,10 @@ VECTOR_STORE = re.compile(r"\bst\.global[\w.:]*\.v4\.[bfu]32\b")
 # a [N, V] row.
 ROW_WALKERS = ("red_fwd_kernel", "red_bwd_kernel", "ce_fwd_kernel", "ce_partial_kernel",
                "ce_bwd_kernel", "scale_rows_kernel", "kd_fwd_kernel", "kd_partial_kernel",
-               "kd_bwd_kernel", "ce_split_fused_kernel")
+               "kd_bwd_kernel", "ce_split_fused_kernel", "tail_fwd_kernel", "tail_bwd_kernel")
 ROW_WRITERS = ("red_bwd_kernel", "ce_fwd_kernel", "ce_bwd_kernel", "scale_rows_kernel",
-               "kd_fwd_kernel", "kd_bwd_kernel", "ce_split_fused_kernel")
+               "kd_fwd_kernel", "kd_bwd_kernel", "ce_split_fused_kernel", "tail_fwd_kernel",
+               "tail_bwd_kernel")
 
 
 def compile_sm90(kernel, signature: dict, constexprs: dict, num_warps: int,

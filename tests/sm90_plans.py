@@ -14,6 +14,7 @@ import itertools
 
 from jax_fusedloss.kernels import cross_entropy as ce
 from jax_fusedloss.kernels import kd
+from jax_fusedloss.kernels import kd_tail
 from jax_fusedloss.kernels import reductions as red
 from jax_fusedloss.kernels.plan import LOGITS
 
@@ -124,10 +125,28 @@ def _kd():
                                          write_grad=True, itemsize=2), "bf16", types)
 
 
+def _kd_tail():
+    """The tail forms (kernels/kd_tail.py): the fused forward + gradient, the forward alone and
+    the backward; every dtype aligned, bf16 unaligned (each with its aligned twin)."""
+    ce_opts = dict(smoothing=0.1, z_loss=1e-4, softcap=30.0)
+    options = (("kl", False, 1.0, {}), ("jsd", False, 2.0, {}), ("kl", True, 2.0, {}),
+               ("jsd", True, 1.0, ce_opts))
+    types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32", sid="*i32",
+                 stats="*fp32")
+    for (dt, (n, v)), (div, distill, t, extra) in itertools.product(KD_CASES, options):
+        kw = dict(temperature=t, divergence=div, beta=0.3, distill=distill, ignore_index=-100,
+                  **extra)
+        for write_grad in (True, False):
+            yield from _specs(kd_tail.tail_fwd_plan(n, v, 64, write_grad=write_grad, **kw), dt,
+                              types)
+        yield from _specs(kd_tail.tail_bwd_plan(n, v, 64, num_sms=SMS, **kw), dt, types)
+
+
 def specs():
     """Distinct compiles, in a stable order."""
     seen = set()
-    for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd()):
+    for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd(),
+                                                                       _kd_tail()):
         key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
                maxnreg)
         if key not in seen:

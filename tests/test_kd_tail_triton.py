@@ -1,0 +1,120 @@
+"""The Triton kernels of the tail forms (kernels/kd_tail.py) through the interpreter: kd_loss /
+distill_loss with tail=True, "kl" and "jsd", against the float64 formulas of
+tests/reference/kd_tail_ref.py and the XLA rows (values and gradients), with tiles small
+enough that a row walks several of them (the sorted-id skip across tiles, the unaligned edge
+tile), several ids in one tile, duplicate / masked / out-of-range ids, all-masked rows, a
+teacher top-K summing to 1, a student whose tail mass is ~1e-8 (no cancellation), T != 1,
+float32 / bfloat16 / float16 (float16 recomputes its gradient: the backward kernel) on the
+row and split launch paths."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fusedloss
+from tests.helpers import force_path
+from tests.test_kd_tail import CASES, DISTILL, check, make_inputs
+
+pytestmark = pytest.mark.usefixtures("interpreter")
+
+KD_CASES = ("kl", "jsd", "jsd-beta", "kl-t2-none", "jsd-t07")
+DISTILL_CASES = ("kl-t2-sq", "jsd-all-options", "jsd-weights")
+
+
+@pytest.mark.parametrize("name", KD_CASES)
+def test_kd_matches_float64(name):
+    check("kd", CASES[name], impl="triton")
+
+
+@pytest.mark.parametrize("name", DISTILL_CASES)
+def test_distill_matches_float64(name):
+    check("distill", dict(DISTILL[name], alpha=0.3), impl="triton")
+
+
+def _small_tiles(monkeypatch):
+    """16-column tiles: a 37-column row is an edge tile and 3-4 span tiles."""
+    from jax_fusedloss.kernels import kd_tail, launch
+
+    for mod in (kd_tail, launch):
+        monkeypatch.setattr(mod, "GRAD_TILE_ELEMS", 16)
+        monkeypatch.setattr(mod, "FWD_TILE_ELEMS", 16)
+
+
+def _tile_inputs(vocab, dtype, k=6):
+    """make_inputs' rows (duplicate, out-of-range, negative and masked ids, an all-masked row)
+    with row 0's ids packed into one tile (3, 4, 5, 5, 7) and rows 3-4's student mass on
+    their ids."""
+    x, y, ids, lp, mask, w = make_inputs(7, vocab=vocab, k=k)
+    ids = ids.at[0].set(jnp.asarray([3, 4, 5, 5, 7, vocab - 1], ids.dtype))
+    on_ids = jax.nn.one_hot(jnp.where(ids >= 0, ids, vocab), vocab).sum(1)[..., :vocab]
+    x = x + 6.0 * on_ids * jnp.asarray([0, 0, 0, 1, 1, 0], x.dtype)[:, None]
+    return x.astype(dtype), y, ids, lp, mask, w
+
+
+TOL = {"float32": (2e-5, 2e-6), "bfloat16": (1e-2, 1e-5), "float16": (2e-3, 1e-6)}
+
+
+@pytest.mark.parametrize("fn, divergence, dtype, vocab, path", [
+    ("kd", "jsd", "bfloat16", 37, "rows"),
+    ("distill", "kl", "bfloat16", 48, "rows"),
+    ("kd", "kl", "float16", 37, "split"),
+    ("distill", "jsd", "float16", 40, "rows"),
+])
+def test_tile_walk(monkeypatch, fn, divergence, dtype, vocab, path):
+    _small_tiles(monkeypatch)
+    force_path(path, monkeypatch)
+    inputs = _tile_inputs(vocab, jnp.dtype(dtype))
+    # reduction "none": per-row cotangents, so float16 recomputes (the backward kernel)
+    opts = dict(tail=True, divergence=divergence, temperature=1.5, reduction="none")
+    if fn == "distill":
+        opts.update(alpha=0.4, label_smoothing=0.1)
+    rtol, atol = TOL[dtype]
+    check(fn, opts, inputs=inputs, impl="triton", rtol=max(rtol, 2e-5), atol=atol)
+    # the XLA rows on the same inputs: loss per row and gradient
+    x, y, ids, lp, mask, _ = inputs
+    run = {"kd": lambda x, impl: jax_fusedloss.kd_loss(x, ids, lp, mask, implementation=impl,
+                                                       **opts),
+           "distill": lambda x, impl: jax_fusedloss.distill_loss(
+               x, y, ids, lp, mask, implementation=impl, **opts)}[fn]
+    got, want = (jax.vjp(lambda x: run(x, impl), x) for impl in ("triton", "xla"))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
+    cot = jnp.linspace(0.5, 2.0, x.shape[0])
+    g, r = (np.asarray(v[1](cot)[0], np.float32) for v in (got, want))
+    np.testing.assert_allclose(g, r, rtol=rtol, atol=atol + rtol * np.abs(r).max())
+
+
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_tiny_tail_mass_without_cancellation(monkeypatch, divergence):
+    """A student with ~1e-8 of its mass outside the teacher's ids: Q_t is summed over the
+    tail columns, so the loss and the tail columns' gradient keep float32 accuracy (1 - sum_d
+    Q_d would have none)."""
+    _small_tiles(monkeypatch)
+    x, y, ids, lp, _, _ = make_inputs(11, vocab=37, k=5)
+    x = x * 0.1 + 25.0 * jax.nn.one_hot(ids, 37).sum(1)
+    lp = lp - 0.2  # teacher tail mass > 0
+    check("kd", dict(tail=True, divergence=divergence), inputs=(x, y, ids, lp, None, None),
+          impl="triton", rtol=1e-4, atol=1e-9)
+
+
+def test_special_rows():
+    """The full teacher distribution as its top-K (tail mass 0) and a matching student: both
+    divergences are 0; all-masked rows are 0 and not counted."""
+    t = jax.random.normal(jax.random.key(3), (4, 23)) * 2.0
+    lp_t, ids_t = jax.lax.top_k(jax.nn.log_softmax(t), 23)
+    for k in (23, 6):
+        for div in ("kl", "jsd"):
+            loss = jax_fusedloss.kd_loss(t, ids_t[:, :k], lp_t[:, :k], tail=True, divergence=div,
+                                         reduction="none", implementation="triton")
+            assert np.abs(np.asarray(loss)).max() < 1e-6, (k, div, loss)
+    x, _, ids, lp, _, _ = make_inputs()
+    mask = jnp.zeros(ids.shape, bool).at[0].set(True)
+    rows = jax_fusedloss.kd_loss(x, ids, lp, mask, tail=True, reduction="none",
+                                 implementation="triton")
+    assert np.all(np.asarray(rows)[1:] == 0.0), rows
+    mean, g = jax.value_and_grad(lambda x: jax_fusedloss.kd_loss(
+        x, ids, lp, mask, tail=True, divergence="jsd", implementation="triton"))(x)
+    assert not np.any(np.asarray(g)[1:]), g
+    check("kd", dict(tail=True), inputs=(t * 0.5, None, ids_t, lp_t, None, None),
+          impl="triton")
