@@ -149,6 +149,21 @@ def test_weights_validation_names_the_argument(interpreter, fn, kw, err, match):
             torch_ref.linear_cross_entropy(_t(h), _t(w), _t(y).long(), **kw)
 
 
+def test_every_jax_option_but_dispatch_is_in_torch_ref():
+    """torch_ref's frontends take every keyword of their JAX twins except `implementation` and
+    `vocab_axis` (JAX dispatch and shard_map; passing them is Python's TypeError naming them);
+    and token_logprobs' check_labels works."""
+    import inspect
+
+    for name in torch_ref.__all__:
+        ours = set(inspect.signature(getattr(torch_ref, name)).parameters)
+        theirs = set(inspect.signature(getattr(jax_fusedloss, name)).parameters)
+        assert theirs - ours == {"implementation", "vocab_axis"}, (name, theirs - ours)
+        assert ours <= theirs, (name, ours - theirs)
+    with pytest.raises(ValueError, match=r"labels\[1\]=9 lies outside \[0, 5\):"):
+        torch_ref.token_logprobs(torch.zeros(2, 5), torch.tensor([0, 9]), check_labels=True)
+
+
 # ----------------------------------------------------------------------------- walk sizes
 @pytest.mark.parametrize("n, vocab, dtype, mode, chunk_size", [
     (8192, 128256, "bfloat16", "lean", None), (8192, 151936, "float32", "fast", None),
