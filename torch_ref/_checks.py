@@ -71,6 +71,28 @@ def labels_to_int32(labels: torch.Tensor, ignore_index: int | None, vocab: int) 
     return out.to(torch.int32).contiguous()
 
 
+def check_labels(labels: torch.Tensor, vocab: int, ignore_index: int | None,
+                 enabled: bool) -> None:
+    """`check_labels=True` (jax_fusedloss._common.check_labels, same message): a ValueError
+    naming the first label outside `[0, vocab)` that is not `ignore_index` and how many there
+    are; one device-to-host read. `enabled` False: nothing."""
+    if not enabled or labels.numel() == 0:
+        return
+    flat = labels.reshape(-1)
+    y = labels_to_int32(flat, ignore_index, vocab)
+    bad = (y < 0) | (y >= vocab)
+    if ignore_index is not None:
+        bad = bad & (y != ignore_index)
+    count = int(bad.sum())
+    if count:
+        first = int(torch.argmax(bad.to(torch.int8)))
+        index = ", ".join(str(int(i)) for i in torch.unravel_index(torch.tensor(first),
+                                                                  tuple(labels.shape)))
+        ignored = "" if ignore_index is None else f" and is not ignore_index={ignore_index}"
+        raise ValueError(f"labels[{index}]={int(flat[first])} lies outside [0, {vocab})"
+                         f"{ignored}: {count} such label(s) (found by check_labels=True)")
+
+
 def no_double_backward(op: str) -> None:
     """Raises inside an autograd.Function's backward run with create_graph=True (grad mode
     is on there only then): the kernels' gradient is not differentiable again, and returning

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from jax_fusedloss.kernels import cross_entropy as k
-from torch_ref import _checks, _launch
+from torch_ref import _checks, _launch, _weights
 from torch_ref._checks import no_double_backward
 from torch_ref._launch import run_plan
 
@@ -51,13 +51,10 @@ def scaled_saved_grad(grad: torch.Tensor, g: torch.Tensor, per_row: bool) -> tor
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index, reduction, smoothing, z_loss, softcap,
-                need_lse_grad):
+                need_lse_grad, token_rows):
         vocab = logits.shape[-1]
         x = logits.reshape(-1, vocab).contiguous()
-        y = _checks.labels_to_int32(labels, ignore_index, vocab)
-        denom = (torch.clamp((y != ignore_index).sum(), min=1).float() if reduction == "mean"
-                 else torch.ones((), device=x.device))
-        row_scale = (1.0 / denom).expand(x.shape[0]).contiguous()
+        y, w, denom, row_scale = token_rows
         write_grad = logits.requires_grad and not need_lse_grad
         loss, lse, coef, grad = _fwd(x, y, row_scale, ignore_index, smoothing, z_loss, softcap,
                                      write_grad)
@@ -69,8 +66,9 @@ class _CrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(grad.view(logits.shape), x, y, lse, coef)
         else:
             ctx.save_for_backward(x, y, lse, coef)
-        out = loss.reshape(labels.shape) if reduction == "none" else loss.sum() / denom
-        return out, lse.reshape(labels.shape)
+        out = _weights.ce_reduce(loss, y, w, denom, ignore_index, reduction)
+        return out.reshape(labels.shape) if reduction == "none" else out, lse.reshape(
+            labels.shape)
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
@@ -82,11 +80,11 @@ class _CrossEntropy(torch.autograd.Function):
         no_double_backward("cross_entropy")
         saved = ctx.saved_tensors
         if len(saved) == 1:
-            return (scaled_saved_grad(saved[0], g_loss, ctx.reduction == "none"),) + (None,) * 7
+            return (scaled_saved_grad(saved[0], g_loss, ctx.reduction == "none"),) + (None,) * 8
         if len(saved) == 5:
             grad, *saved = saved
             if bool((g_loss == 1).all()):  # one read (a sync on CUDA)
-                return (grad,) + (None,) * 7
+                return (grad,) + (None,) * 8
         x, y, lse, coef = saved
         n = x.shape[0]
         cot = (g_loss.reshape(-1) if ctx.reduction == "none" else g_loss.expand(n)).float()
@@ -95,7 +93,7 @@ class _CrossEntropy(torch.autograd.Function):
         if g_lse is not None:
             coef[:, 0] += g_lse.reshape(-1).float()
         grad = _bwd(x, y, lse, coef.contiguous(), ctx.softcap)
-        return grad.reshape(ctx.shape), None, None, None, None, None, None, None
+        return (grad.reshape(ctx.shape),) + (None,) * 8
 
 
 check_ce_options = _checks.check_ce_options  # shared with distill_loss
@@ -103,8 +101,16 @@ check_ce_options = _checks.check_ce_options  # shared with distill_loss
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100,
                   reduction: str = "mean", label_smoothing: float = 0.0, z_loss: float = 0.0,
-                  logit_softcap: float | None = None, return_lse: bool = False):
+                  logit_softcap: float | None = None, return_lse: bool = False,
+                  check_labels: bool = False, weights: torch.Tensor | None = None,
+                  where: torch.Tensor | None = None, num_items=None):
     """`jax_fusedloss.cross_entropy` from PyTorch, on the same Triton kernels (see its docs).
+
+    `weights` (float `[...]`, broadcast against `labels`), `where` (bool, False: ignored) and
+    `num_items` (the denominator of "mean") as in JAX: a weight joins the per-row scale of the
+    fused gradient and gets no gradient; "mean" divides by the counted tokens' weight sum (1
+    where it is 0) unless `num_items` is given. `check_labels=True` raises a ValueError naming
+    the first label outside `[0, V)` that is not `ignore_index` (one device-to-host read).
 
     Validated as the JAX API: shapes, dtypes, label_smoothing in [0, 1], z_loss >= 0,
     logit_softcap in (0, inf) or None, ignore_index in int32 (NaN options are rejected); labels
@@ -116,12 +122,19 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *, ignore_index: i
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
     smoothing, z_loss, logit_softcap = check_ce_options(label_smoothing, z_loss, logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    num_items = _checks.check_num_items(num_items, reduction)
+    _checks.check_labels(labels, logits.shape[-1], ignore_index,
+                         _checks.check_bool(check_labels, "check_labels"))
+    y = _checks.labels_to_int32(labels, ignore_index, logits.shape[-1])
+    token_rows = _weights.ce_rows(y, labels.shape, ignore_index, reduction, weights, where,
+                                  num_items, logits)
     if logits.numel() == 0:
         lead = labels.shape
         loss = (logits.new_zeros(lead, dtype=torch.float32) if reduction == "none"
                 else logits.new_zeros((), dtype=torch.float32)) + 0.0 * logits.sum()
         return (loss, logits.new_zeros(lead, dtype=torch.float32)) if return_lse else loss
     loss, lse = _CrossEntropy.apply(logits, labels, ignore_index, reduction, smoothing, z_loss,
-                                    logit_softcap, bool(return_lse and torch.is_grad_enabled()))
+                                    logit_softcap, bool(return_lse and torch.is_grad_enabled()),
+                                    token_rows)
     return (loss, lse) if return_lse else loss
 

@@ -5,35 +5,38 @@ import torch
 
 from jax_fusedloss import _validate
 from jax_fusedloss.kernels import kd as k
-from torch_ref import _checks, _launch
+from torch_ref import _checks, _kd_rows64, _launch, _weights
+from torch_ref._kd_rows64 import Form
 from torch_ref._checks import no_double_backward
 from torch_ref._launch import run_plan
 from torch_ref.cross_entropy import check_ce_options, scaled_saved_grad
 
 
-def _rows(x, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index, write_grad,
-          smoothing=0.0, z_loss=0.0, softcap=None):
-    """Per-row loss [N] (and the unit-cotangent gradient) from kd_fwd_plan."""
+def _rows(x, ids, lp, y, row_scale, form: Form, write_grad, want_stats=False):
+    """Per-row loss [N], the unit-cotangent gradient (or None) and, with want_stats, the
+    per-row statistics (or None): kd_fwd_plan, or the float64 rows of _kd_rows64 for
+    tail=True."""
+    if form.tail:
+        loss, stats = _kd_rows64.tail_fwd(x, ids, lp, y, row_scale, form)
+        grad = _kd_rows64.block_grad(x, 0, ids, lp, y, stats, form, x.shape[1]) \
+            if write_grad else None
+        return loss, grad, stats
     n, vocab = x.shape
-    plan = k.kd_fwd_plan(n, vocab, ids.shape[1], temperature=temperature, normalize=normalize,
-                         distill=distill, ignore_index=ignore_index,
-                         num_sms=_launch.num_sms(x), write_grad=write_grad,
-                         smoothing=smoothing, z_loss=z_loss, softcap=softcap,
-                         itemsize=x.element_size())
+    plan = k.kd_fwd_plan(n, vocab, ids.shape[1], temperature=form.temperature,
+                         normalize=form.normalize, distill=form.distill,
+                         ignore_index=form.ignore_index, num_sms=_launch.num_sms(x),
+                         write_grad=write_grad, smoothing=form.smoothing, z_loss=form.z_loss,
+                         softcap=form.softcap, itemsize=x.element_size())
     outs = run_plan(plan, x=x, ids=ids, lp=lp, y=y, row_scale=row_scale)
-    return outs[0], outs[2] if write_grad else None
+    return outs[0], outs[2] if write_grad else None, outs[1] if want_stats else None
 
 
 class _KD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, ids, lp, y, row_scale, temperature, normalize, distill, ignore_index,
-                reduction, write_grad, ce_options):
+    def forward(ctx, logits, ids, lp, y, row_scale, form, reduction, write_grad):
         x = logits.reshape(-1, logits.shape[-1]).contiguous()
-        loss, grad = _rows(x, ids, lp, y, row_scale, temperature, normalize, distill,
-                           ignore_index, write_grad, *ce_options)
-        ctx.reduction, ctx.shape = reduction, logits.shape
-        ctx.options = (temperature, normalize, distill, ignore_index)
-        ctx.ce_options = ce_options
+        loss, grad, _ = _rows(x, ids, lp, y, row_scale, form, write_grad)
+        ctx.reduction, ctx.shape, ctx.form = reduction, logits.shape, form
         if grad is not None and x.dtype == torch.float16:  # see backward
             ctx.save_for_backward(grad.view(logits.shape), x, ids, lp, y, row_scale)
         else:
@@ -51,12 +54,12 @@ class _KD(torch.autograd.Function):
         saved = ctx.saved_tensors
         per_row = ctx.reduction == "none"
         if len(saved) == 1 or bool((g == 1).all()):  # one read (a sync on CUDA)
-            return (scaled_saved_grad(saved[0], g, per_row),) + (None,) * 11
+            return (scaled_saved_grad(saved[0], g, per_row),) + (None,) * 7
         _, x, ids, lp, y, row_scale = saved
         cot = (g.reshape(-1) if per_row else g.reshape(1).expand(x.shape[0])).float()
-        _, grad = _rows(x, ids, lp, y, (row_scale * cot[:, None]).contiguous(), *ctx.options,
-                        True, *ctx.ce_options)
-        return (grad.view(ctx.shape),) + (None,) * 11
+        _, grad, _ = _rows(x, ids, lp, y, (row_scale * cot[:, None]).contiguous(), ctx.form,
+                           True)
+        return (grad.view(ctx.shape),) + (None,) * 7
 
 
 MAX_K = 65536  # as jax_fusedloss.kd.MAX_TRITON_K (this package does not import JAX)
@@ -106,35 +109,70 @@ def _check(temperature, normalize, reduction, num_items) -> float:
     return t
 
 
+DIVERGENCES = ("kl", "jsd")
+
+
+def check_divergence(tail, divergence, beta, normalize) -> tuple[bool, str, float]:
+    """(tail, divergence, beta) as jax_fusedloss._kd_inputs.check_divergence: "jsd" needs
+    tail=True, tail needs normalize="full"."""
+    tail = _checks.check_bool(tail, "tail")
+    _checks.check_choice(divergence, "divergence", DIVERGENCES)
+    beta = _checks.check_float(beta, "beta", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    if divergence == "jsd" and not tail:
+        raise ValueError('divergence="jsd" requires tail=True (the generalised Jensen-Shannon '
+                         "divergence is taken over the K+1 buckets: the teacher's ids and the "
+                         "tail)")
+    if tail and normalize != "full":
+        raise ValueError(f'tail=True requires normalize="full", got normalize={normalize!r} '
+                         "(a student renormalised over the teacher's ids has no tail)")
+    return tail, divergence, beta
+
+
+def token_weights(weights, where, lead, ref):
+    """(float32 [N] weights or None, bool [N] where or None) of the distillation ops."""
+    return _weights.token_weights(weights, where, lead, ref, "the tokens' shape ")
+
+
+def row_scales(terms, w, reduction, num_items):
+    """float32 [N, 2] row weights of (cross-entropy, KD): `terms` ((coef, counted [N]),
+    (coef, counted)), counted None for a term the op lacks (jax_fusedloss._kd_inputs)."""
+    cols = [torch.zeros(terms[1][1].shape, device=terms[1][1].device) if counted is None
+            else _weights.kd_column(coef, counted, w, reduction, num_items)
+            for coef, counted in terms]
+    return torch.stack(cols, 1).contiguous()
+
+
 def _needs_grad(logits: torch.Tensor) -> bool:
     """Whether the forward should write the gradient (skipped under torch.no_grad())."""
     return logits.requires_grad and torch.is_grad_enabled()
 
 
-def _denominator(count, num_items):
-    if num_items is not None:
-        return torch.as_tensor(num_items, device=count.device).float()
-    return count.clamp(min=1).float()
-
-
 def kd_loss(student_logits: torch.Tensor, teacher_ids: torch.Tensor,
             teacher_logprobs: torch.Tensor, mask: torch.Tensor | None = None, *,
             temperature: float = 1.0, normalize: str = "full", reduction: str = "mean",
-            num_items=None) -> torch.Tensor:
+            num_items=None, tail: bool = False, divergence: str = "kl", beta: float = 0.5,
+            weights: torch.Tensor | None = None,
+            where: torch.Tensor | None = None) -> torch.Tensor:
     """`jax_fusedloss.kd_loss` from PyTorch, on the same Triton kernels (see its docs).
 
-    Validated as the JAX API (shapes, dtypes, options); the gradient is first-order only."""
+    Validated as the JAX API (shapes, dtypes, options); the gradient is first-order only.
+    `weights` / `where` as in JAX (per-row scales of the fused gradient, no gradient).
+    `tail=True` (divergence "kl" or "jsd") runs float64 torch rows (torch_ref/_kd_rows64.py)
+    instead of the Triton kernels."""
     _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     temperature = _check(temperature, normalize, reduction, num_items)
-    ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask)
+    tail, divergence, beta = check_divergence(tail, divergence, beta, normalize)
+    lead = student_logits.shape[:-1]
+    w, keep = token_weights(weights, where, lead, student_logits)
+    ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask, keep)
     n = ids.shape[0]
-    scale = (1.0 / _denominator(has_entry.sum(), num_items) if reduction == "mean"
-             else torch.ones((), device=ids.device))
-    row_scale = torch.stack([torch.zeros(n, device=ids.device), scale.expand(n)], 1).contiguous()
+    row_scale = row_scales(((0.0, None), (1.0, has_entry)), w, reduction, num_items)
     y = torch.zeros(n, dtype=torch.int32, device=ids.device)
-    loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize,
-                     False, -1, reduction, _needs_grad(student_logits), (0.0, 0.0, None))
-    return loss.reshape(student_logits.shape[:-1]) if reduction == "none" else loss
+    form = Form(float(temperature), normalize, False, -1, tail=tail, divergence=divergence,
+                beta=beta)
+    loss = _KD.apply(student_logits, ids, lp, y, row_scale, form, reduction,
+                     _needs_grad(student_logits))
+    return loss.reshape(lead) if reduction == "none" else loss
 
 
 def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids: torch.Tensor,
@@ -143,31 +181,37 @@ def distill_loss(student_logits: torch.Tensor, labels: torch.Tensor, teacher_ids
                  label_smoothing: float = 0.0, z_loss: float = 0.0,
                  logit_softcap: float | None = None, normalize: str = "full",
                  reduction: str = "mean", num_items=None,
-                 temperature_squared: bool = False) -> torch.Tensor:
+                 temperature_squared: bool = False, check_labels: bool = False,
+                 tail: bool = False, divergence: str = "kl", beta: float = 0.5,
+                 weights: torch.Tensor | None = None,
+                 where: torch.Tensor | None = None) -> torch.Tensor:
     """`jax_fusedloss.distill_loss` from PyTorch, on the same Triton kernels (see its docs).
 
     Validated as the JAX API (shapes, dtypes, options; labels range-checked at their own width
-    before they are narrowed to int32); the gradient is first-order only."""
+    before they are narrowed to int32); the gradient is first-order only. `check_labels`,
+    `weights` / `where` and `tail` / `divergence` / `beta` as in `kd_loss` and JAX."""
     _check_teacher(student_logits, teacher_ids, teacher_logprobs, mask)
     _checks.check_int_tensor(labels, "labels", student_logits.shape[:-1],
                              "student_logits.shape[:-1]")
     _checks.check_same_device("labels", labels, student_logits, "student_logits")
     temperature = _check(temperature, normalize, reduction, num_items)
+    tail, divergence, beta = check_divergence(tail, divergence, beta, normalize)
     alpha = _checks.check_float(alpha, "alpha", lo=0.0, hi=1.0)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
     ce_options = check_ce_options(label_smoothing, z_loss, logit_softcap)
-    y = _checks.labels_to_int32(labels, ignore_index, student_logits.shape[-1])
+    vocab = student_logits.shape[-1]
+    _checks.check_labels(labels, vocab, ignore_index,
+                         _checks.check_bool(check_labels, "check_labels"))
+    kd_w = (1.0 - alpha) * _validate.check_temperature_squared(temperature, temperature_squared)
+    w, keep = token_weights(weights, where, labels.shape, student_logits)
+    y = _checks.labels_to_int32(labels, ignore_index, vocab)
+    if keep is not None:
+        y = torch.where(keep, y, torch.full_like(y, ignore_index)).contiguous()
     active = y != ignore_index
     ids, lp, has_entry = _prepare(student_logits, teacher_ids, teacher_logprobs, mask, active)
-    n = ids.shape[0]
-    ce_w = torch.full((), float(alpha), device=ids.device)
-    kd_w = torch.full((), (1.0 - alpha) * (temperature**2 if temperature_squared else 1.0),
-                      device=ids.device)
-    if reduction == "mean":
-        ce_w = ce_w / _denominator(active.sum(), num_items)
-        kd_w = kd_w / _denominator(has_entry.sum(), num_items)
-    row_scale = torch.stack([ce_w.expand(n), kd_w.expand(n)], 1).contiguous()
-    loss = _KD.apply(student_logits, ids, lp, y, row_scale, float(temperature), normalize, True,
-                     int(ignore_index), reduction, _needs_grad(student_logits), ce_options)
+    row_scale = row_scales(((alpha, active), (kd_w, has_entry)), w, reduction, num_items)
+    form = Form(float(temperature), normalize, True, int(ignore_index), *ce_options, tail=tail,
+                divergence=divergence, beta=beta)
+    loss = _KD.apply(student_logits, ids, lp, y, row_scale, form, reduction,
+                     _needs_grad(student_logits))
     return loss.reshape(labels.shape) if reduction == "none" else loss
-

@@ -8,7 +8,7 @@ import torch
 from jax_fusedloss import _validate
 from jax_fusedloss.kernels import cross_entropy as _ce_plans
 from jax_fusedloss.kernels.linear_ce import budget_rows, chunk_rows, vocab_block
-from torch_ref import _checks, _launch
+from torch_ref import _checks, _launch, _weights
 from torch_ref._checks import no_double_backward
 
 # The chunk's logits gradient overwrites the chunk's logits (as in jax_fusedloss); False only
@@ -23,6 +23,19 @@ def default_chunk_size(n: int, vocab: int, dtype: torch.dtype, mode: str = "fast
     """Tokens per chunk: see jax_fusedloss.linear_cross_entropy.default_chunk_size and
     kernels/linear_ce.py."""
     return chunk_rows(n, vocab, torch.empty((), dtype=dtype).element_size(), mode)
+
+
+def head_sizes(n: int, vocab: int, dtype: torch.dtype, mode: str,
+               chunk_size: int | None) -> tuple[int, int]:
+    """(tokens per chunk of the token walk, `block_chunk`: the lean backward's blocks hold
+    `block_chunk * V` logits) for every torch_ref linear frontend, the rule of
+    jax_fusedloss._lm_head.head_options: `chunk_size` for both when given, else the default
+    chunk and the 128 MiB budget (`kernels.linear_ce.budget_rows`)."""
+    if chunk_size is None:
+        return (default_chunk_size(n, vocab, dtype, mode),
+                budget_rows(vocab, torch.empty((), dtype=dtype).element_size()))
+    chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    return chunk, chunk
 
 
 def _chunk_fwd(z, y, row_scale, o, write_grad):
@@ -131,15 +144,12 @@ def check_head(hidden, weight, bias, weight_layout: str) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, layout, chunk, ignore_index, reduction,
-                smoothing, z_loss, softcap, return_lse, mode, block_chunk):
+                smoothing, z_loss, softcap, return_lse, mode, block_chunk, token_rows):
         dim = hidden.shape[-1]
         vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
         h = hidden.reshape(-1, dim).contiguous()
-        y = _checks.labels_to_int32(labels, ignore_index, vocab)
+        y, w, denom, row_scale = token_rows
         n = h.shape[0]
-        denom = (torch.clamp((y != ignore_index).sum(), min=1).float() if reduction == "mean"
-                 else torch.ones((), device=h.device))
-        row_scale = (1.0 / denom).expand(n).contiguous()
         needs = ctx.needs_input_grad
         # as in jax_fusedloss._lm_head.fuses_grad: per-token cotangents, float16 (a gradient for
         # a unit cotangent would flush what a loss scale saves) and "lean" recompute
@@ -173,13 +183,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.save_for_backward(
                 dh, None if dw is None else dw.to(weight.dtype),
                 None if db is None else db.to(bias.dtype))
-        out = loss_rows.reshape(labels.shape) if reduction == "none" else loss_rows.sum() / denom
-        return out, lse.reshape(labels.shape)
+        out = _weights.ce_reduce(loss_rows, y, w, denom, ignore_index, reduction)
+        return out.reshape(labels.shape) if reduction == "none" else out, lse.reshape(
+            labels.shape)
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
         no_double_backward("linear_cross_entropy")
-        tail = (None,) * 11
+        tail = (None,) * 12
         if not ctx.recompute:
             dh, dw, db = ctx.saved_tensors
             scale = g_loss.float()
@@ -204,14 +215,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def recompute_grads(h, weight, bias, layout, chunk, mode, needs, block_grad, hidden_shape,
-                    block_chunk=None):
+                    block_chunk):
     """(dH, dW, db) recomputed in the backward with the cotangents folded into `block_grad`
-    (see vocab_walk): the vocabulary walk for "lean" (blocks of `block_chunk` (default
-    `chunk`) * V logits), else the token walk with dW summed in float32 ("fast") or W's dtype
+    (see vocab_walk): the vocabulary walk for "lean" (blocks of `block_chunk` * V logits, see
+    head_sizes), else the token walk with dW summed in float32 ("fast") or W's dtype
     ("low_precision")."""
     if mode == "lean":
-        dh, dw, db = vocab_walk(h, weight, bias, layout, block_chunk or chunk, needs,
-                                block_grad)
+        dh, dw, db = vocab_walk(h, weight, bias, layout, block_chunk, needs, block_grad)
         return (None if dh is None else dh.to(h.dtype).reshape(hidden_shape), dw,
                 None if db is None else db.to(bias.dtype))
     n, vocab = h.shape[0], weight.shape[1] if layout == "dv" else weight.shape[0]
@@ -237,12 +247,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
                          logit_softcap: float | None = None, return_lse: bool = False,
+                         check_labels: bool = False, weights: torch.Tensor | None = None,
+                         where: torch.Tensor | None = None, num_items=None,
                          mode: str = "fast", chunk_size: int | None = None):
     """`jax_fusedloss.linear_cross_entropy` from PyTorch (see its docs): token chunks, torch
     matmuls, the same Triton cross-entropy kernels; gradients computed in the forward (scaled
     in the backward), recomputed in the backward for reduction="none", return_lse, float16 and
-    mode="lean" (the vocabulary walk). `mode` as in jax_fusedloss. First-order only (backward
-    with create_graph=True raises)."""
+    mode="lean" (the vocabulary walk). `mode`, `chunk_size` (the lean backward's blocks: see
+    head_sizes), `check_labels` and the per-token `weights` / `where` / `num_items` (folded into
+    the fused gradient's row scale, no gradient) as in jax_fusedloss. First-order only
+    (backward with create_graph=True raises)."""
     vocab = check_head(hidden, weight, bias, weight_layout)
     _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
     _checks.check_choice(reduction, "reduction", _checks.REDUCTIONS)
@@ -250,12 +264,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     smoothing, z_loss, logit_softcap = _checks.check_ce_options(label_smoothing, z_loss,
                                                                 logit_softcap)
     ignore_index = _checks.check_int(ignore_index, "ignore_index")
+    num_items = _checks.check_num_items(num_items, reduction)
+    _checks.check_labels(labels, vocab, ignore_index,
+                         _checks.check_bool(check_labels, "check_labels"))
+    y = _checks.labels_to_int32(labels, ignore_index, vocab)
+    token_rows = _weights.ce_rows(y, labels.shape, ignore_index, reduction, weights, where,
+                                  num_items, hidden)
     n = labels.numel()
-    if chunk_size is None:  # the lean backward's blocks: chunk_size * V logits, or the budget
-        chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
-        block_chunk = budget_rows(vocab, hidden.element_size())
-    else:
-        chunk = block_chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    chunk, block_chunk = head_sizes(n, vocab, hidden.dtype, mode, chunk_size)
     if n == 0:  # 0.0 whatever the weight holds (inf/NaN), as cross_entropy; gradients zero
         zero = (hidden.sum() + weight.sum()).float() * 0.0
         zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()
@@ -265,5 +281,6 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
             else loss
     loss, lse = _LinearCrossEntropy.apply(hidden, weight, bias, labels, weight_layout, chunk,
                                           ignore_index, reduction, smoothing, z_loss,
-                                          logit_softcap, bool(return_lse), mode, block_chunk)
+                                          logit_softcap, bool(return_lse), mode, block_chunk,
+                                          token_rows)
     return (loss, lse) if return_lse else loss

@@ -8,8 +8,7 @@ import torch
 
 from torch_ref import _checks
 from torch_ref._checks import no_double_backward
-from torch_ref.linear_cross_entropy import (MODES, _logits, check_head, default_chunk_size,
-                                            recompute_grads)
+from torch_ref.linear_cross_entropy import MODES, _logits, check_head, head_sizes, recompute_grads
 from torch_ref.reductions import _bwd, _fwd
 
 
@@ -26,7 +25,8 @@ def _block_rows(y, cot, c0, c1):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, layout, chunk, inv_temp, want_entropy, mode):
+    def forward(ctx, hidden, weight, bias, labels, layout, sizes, inv_temp, want_entropy, mode):
+        chunk, ctx.block_chunk = sizes
         vocab = weight.shape[1] if layout == "dv" else weight.shape[0]
         h = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         y = _checks.labels_to_int32(labels, None, vocab).reshape(-1)
@@ -68,7 +68,8 @@ class _LinearLogprobs(torch.autograd.Function):
                         cb.contiguous(), ctx.inv_temp, ctx.want_entropy)
 
         return recompute_grads(h, weight, bias, ctx.layout, ctx.chunk, ctx.mode,
-                               ctx.needs_input_grad, block_grad, ctx.hidden_shape) + (None,) * 6
+                               ctx.needs_input_grad, block_grad, ctx.hidden_shape,
+                               ctx.block_chunk) + (None,) * 6
 
 
 def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
@@ -77,22 +78,20 @@ def linear_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
                           mode: str = "fast", chunk_size: int | None = None):
     """`jax_fusedloss.linear_token_logprobs` from PyTorch (see its docs): token chunks, torch
     matmuls, the same Triton reductions kernels; the backward recomputes the logits with the
-    per-token cotangents folded in. First-order only."""
+    per-token cotangents folded in ("lean": vocabulary blocks sized as jax_fusedloss's, see
+    linear_cross_entropy.head_sizes). First-order only."""
     vocab = check_head(hidden, weight, bias, weight_layout)
     _checks.check_int_tensor(labels, "labels", hidden.shape[:-1], "hidden.shape[:-1]")
     _checks.check_choice(mode, "mode", MODES)
     temperature = _checks.check_float(temperature, "temperature", lo=0.0, lo_open=True)
     _checks.check_bool(return_entropy, "return_entropy")
     n = labels.numel()
-    if chunk_size is None:
-        chunk = default_chunk_size(n, vocab, hidden.dtype, mode)
-    else:
-        chunk = min(_checks.check_int(chunk_size, "chunk_size", lo=1), max(n, 1))
+    sizes = head_sizes(n, vocab, hidden.dtype, mode, chunk_size)
     if n == 0:  # zeros, with zero gradients
         zero = (hidden.sum() + weight.sum()).float() * 0.0
         zero = torch.where(torch.isfinite(zero), zero, 0.0).abs()
         empty = hidden.new_zeros(labels.shape, dtype=torch.float32) + zero
         return (empty, empty.clone()) if return_entropy else empty
-    logp, ent = _LinearLogprobs.apply(hidden, weight, bias, labels, weight_layout, chunk,
+    logp, ent = _LinearLogprobs.apply(hidden, weight, bias, labels, weight_layout, sizes,
                                       1.0 / temperature, bool(return_entropy), mode)
     return (logp, ent) if return_entropy else logp

@@ -76,12 +76,15 @@ def entropy(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                   return_entropy: bool = False):
-    """`jax_fusedloss.token_logprobs` from PyTorch, on the same Triton kernels (see its docs)."""
+                   return_entropy: bool = False, check_labels: bool = False):
+    """`jax_fusedloss.token_logprobs` from PyTorch, on the same Triton kernels (see its docs;
+    `check_labels=True` raises a ValueError naming the first label outside `[0, V)`)."""
     _checks.check_logits(logits)
     _checks.check_int_tensor(labels, "labels", logits.shape[:-1], "logits.shape[:-1]")
     _checks.check_same_device("labels", labels, logits, "logits")
     _checks.check_bool(return_entropy, "return_entropy")
+    _checks.check_labels(labels, logits.shape[-1], None,
+                         _checks.check_bool(check_labels, "check_labels"))
     _, ent, logp = _apply(logits, labels, temperature, return_entropy)
     return (logp, ent) if return_entropy else logp
 
