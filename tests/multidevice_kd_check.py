@@ -71,7 +71,7 @@ VP_N, VP_V, VP_K = 8, 84, 6  # V: 42 columns a slice over 2 devices (ALIGN 2), 2
 
 
 def vp_cases():
-    """name -> (op, options, logits dtype, vocabulary shards, cotangent). Two vocabulary
+    """name -> (op, options, dtype, vocabulary shards, cotangent). Two vocabulary
     shards run on a (2, 2) mesh with the tokens split too ("sum" and "none" only: a "mean" is
     global), four on a (1, 4) mesh. Cotangent "unit": the gradient written in the forward;
     "rows": per-token weights on a "none" loss (the saved gradient rescaled); "scale": the loss
@@ -99,6 +99,12 @@ def vp_cases():
         "distill_T1.5_fp16_recompute": ("distill", dict(alpha=0.5, temperature=1.5,
                                                         reduction="sum", **ce), "float16", 4,
                                         "scale"),
+        # the LM-head forms on a vocabulary-parallel head (dW summed over the token shards)
+        "linear_distill_T2_sum": ("linear_distill", dict(alpha=0.5, temperature=2.0,
+                                                         reduction="sum", **ce), "float32", 2,
+                                  "unit"),
+        "linear_kd_topk_none": ("linear_kd", dict(normalize="topk", reduction="none"),
+                                "float32", 2, "rows"),
     }
 
 
@@ -123,13 +129,21 @@ def vp_inputs():
 
 
 def _vp_loss(op, opts, lib):
-    """loss(x, ids, lp, mask, labels, weights) of `lib` (jax_fusedloss or a reference)."""
+    """loss(primals, ids, lp, mask, labels, weights) of `lib` (jax_fusedloss or a reference):
+    primals (logits,) or, for the "linear_" ops, (hidden, weight) of a "dv" LM head."""
     opts = {k: v for k, v in opts.items() if k not in ("power", "weights")}
+    linear = op.startswith("linear_")
 
-    def loss(x, ids, lp, mask, y, wt, **kw):
-        if op == "kd":
-            return lib.kd_loss(x, ids, lp, mask, weights=wt, **opts, **kw)
-        return lib.distill_loss(x, y, ids, lp, mask, weights=wt, **opts, **kw)
+    def loss(primals, ids, lp, mask, y, wt, **kw):
+        if linear and lib is jfl:
+            kw = dict(kw, chunk_size=VP_N // 4)
+            x, kd_fn, distill_fn = primals, lib.linear_kd_loss, lib.linear_distill_loss
+        else:
+            x = (primals[0] @ primals[1],) if linear else primals
+            kd_fn, distill_fn = lib.kd_loss, lib.distill_loss
+        if op.endswith("kd"):
+            return kd_fn(*x, ids, lp, mask, weights=wt, **opts, **kw)
+        return distill_fn(*x, y, ids, lp, mask, weights=wt, **opts, **kw)
     return loss
 
 
@@ -137,6 +151,18 @@ def _objective(out, cot, kind):
     if kind == "rows":
         return jnp.sum(out * cot.astype(out.dtype))
     return out * 3.0 if kind == "scale" else out
+
+
+def _vp_primals(op, dtype):
+    """(logits,) or (hidden [N, D], weight [D, V]) for the "linear_" ops, and their specs
+    inside shard_map with tokens split over `rows`."""
+    x = vp_inputs()[0].astype(dtype)
+    if not op.startswith("linear_"):
+        return (x,), lambda rows: (P(rows, "model"),)
+    keys = jax.random.split(jax.random.key(12), 2)
+    h = jax.random.normal(keys[0], (VP_N, 16)).astype(dtype)
+    w = (jax.random.normal(keys[1], (16, VP_V)) * 0.5).astype(dtype)
+    return (h, w), lambda rows: (P(rows, None), P(None, "model"))
 
 
 def vp_main(only: str | None = None) -> int:
@@ -154,42 +180,42 @@ def vp_main(only: str | None = None) -> int:
 
     _triton_jax.run_plan = recording
     power_vocab = dict(launch.KD_POWER_MIN_VOCAB)
-    x, ids, lp, mask, labels, weights, cot = vp_inputs()
+    _, ids, lp, mask, labels, weights, cot = vp_inputs()
     failures = 0
     for name, (op, opts, dtype, shards, kind) in vp_cases().items():
         if only and name not in only.split(","):
             continue
         launch.KD_POWER_MIN_VOCAB = {2: 0, 4: 0} if opts.get("power") else power_vocab
         wt = weights if opts.get("weights") else None
+        primals, primal_specs = _vp_primals(op, dtype)
         with jax_ref.x64():
-            ref_v, ref_g = jax.value_and_grad(lambda z: jnp.sum(_objective(
-                _vp_loss(op, opts, kd_tail_ref)(z, ids, lp, mask, labels,
+            ref_v, ref_g = jax.value_and_grad(lambda p: jnp.sum(_objective(
+                _vp_loss(op, opts, kd_tail_ref)(p, ids, lp, mask, labels,
                                                 None if wt is None else wt.astype(jnp.float64)),
-                cot.astype(jnp.float64), kind)))(x.astype(dtype).astype(jnp.float64))
-        ref_v, ref_g = float(ref_v), np.asarray(ref_g)
+                cot.astype(jnp.float64), kind)))(tuple(a.astype(jnp.float64) for a in primals))
         mesh = jax.make_mesh((4 // shards, shards), ("data", "model"),
                              axis_types=(AxisType.Explicit,) * 2)
         rows = "data" if shards == 2 else None
-        red = opts["reduction"]
         fused = _vp_loss(op, opts, jfl)
         aux = (ids, lp, mask, labels, weights if wt is not None else jnp.zeros((VP_N,)), cot)
 
-        def body(x, ids, lp, mask, y, w, c):
-            def f(x):
-                out = fused(x, ids, lp, mask, y, w if wt is not None else None,
+        def body(*args):
+            p, (ids, lp, mask, y, w, c) = args[:len(primals)], args[len(primals):]
+
+            def f(p):
+                out = fused(p, ids, lp, mask, y, w if wt is not None else None,
                             implementation="triton", vocab_axis="model")
                 return jnp.sum(_objective(out, c, kind))
-            v, g = jax.value_and_grad(f)(x)
+            v, g = jax.value_and_grad(f)(p)
             return (jax.lax.psum(v, "data") if rows else v), g
 
-        x_spec, row = P(rows, "model"), P(rows)
-        in_specs = (x_spec, row, row, row, row, row, row)
+        in_specs = primal_specs(rows) + (P(rows),) * len(aux)
         launched.clear()
         try:
             sm = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs,
-                                       out_specs=(P(), x_spec)))
+                                       out_specs=(P(), primal_specs(rows))))
             args = [jax.device_put(a, NamedSharding(mesh, sp))
-                    for a, sp in zip((x.astype(dtype),) + aux, in_specs)]
+                    for a, sp in zip(primals + aux, in_specs)]
             with jax.set_mesh(mesh):
                 compiled = sm.lower(*args).compile()
                 v, g = compiled(*args)
@@ -198,7 +224,7 @@ def vp_main(only: str | None = None) -> int:
             print(f"FAIL vp {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
             continue
         extra = ""
-        want = {"kd_bwd_kernel"} | ({"kd_partial_kernel"} if op == "distill" or
+        want = {"kd_bwd_kernel"} | ({"kd_partial_kernel"} if "distill" in op or
                                     opts.get("normalize", "full") == "full" else set())
         if not want <= set(launched):
             extra += f"launched {sorted(set(launched))}, not {sorted(want)} "
@@ -206,14 +232,14 @@ def vp_main(only: str | None = None) -> int:
         if big:
             extra += f"big collectives {big[:2]}"
         tol = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 2e-3}[dtype]
-        g = np.asarray(g, np.float64)
-        dv = abs(float(v) - ref_v)
-        dg = float(np.abs(g - ref_g).max()) / max(float(np.abs(ref_g).max()), 1e-30)
-        ok = (dv <= tol * max(1.0, abs(ref_v)) and dg <= tol and not extra
-              and np.isfinite(g).all())
+        dv = abs(float(v) - float(ref_v))
+        dg = max(float(np.abs(np.asarray(a, np.float64) - np.asarray(r)).max())
+                 / max(float(np.abs(np.asarray(r)).max()), 1e-30) for a, r in zip(g, ref_g))
+        finite = all(np.isfinite(np.asarray(a, np.float64)).all() for a in g)
+        ok = dv <= tol * max(1.0, abs(float(ref_v))) and dg <= tol and not extra and finite
         failures += not ok
-        print(f"{'OK' if ok else 'FAIL'} vp {name} ({red}, {dtype}, {shards} vocab shards, "
-              f"{kind}): |dv|={dv:.2e} |dg|/max={dg:.2e} {extra}", flush=True)
+        print(f"{'OK' if ok else 'FAIL'} vp {name} ({opts['reduction']}, {dtype}, {shards} "
+              f"vocab shards, {kind}): |dv|={dv:.2e} |dg|/max={dg:.2e} {extra}", flush=True)
     launch.KD_POWER_MIN_VOCAB = power_vocab
     _triton_jax.run_plan = run_plan
     return 1 if failures else 0
