@@ -1,8 +1,15 @@
-"""Sharded cross-entropy and LM head on every device present: jax_fusedloss against optax / XLA
-under the same sharding, and against our own op on one device at the per-device token count.
+"""Sharded cross-entropy, distillation and LM head on every device present: jax_fusedloss
+against optax / XLA under the same sharding, and against our own op on one device at the
+per-device token count.
 
     python -m benchmarks.sharded --out out/sharded          # cross_entropy on 1, 2, ... GPUs
+    python -m benchmarks.sharded --out out/sharded --kd     # kd_loss, distill_loss (top-K=64)
     python -m benchmarks.sharded --out out/sharded --head   # linear_cross_entropy (LM head)
+
+Distillation (`--kd`, bf16 logits, K teacher entries a token, fwd+bwd): kd_loss, distill_loss
+(alpha 0.5) and "xla-naive-kd" (float32 log_softmax, gather at the ids) in the layouts of
+cross_entropy below (the vocabulary layout runs our vocabulary-parallel rows); rows go to
+`<out>/sharded_kd.csv`.
 
 LM head (`--head`, bf16 hidden `[N, D]` and weight `[V, D]`, D=4096, fwd+bwd for both):
 "data" (tokens sharded, weight replicated: data parallelism), "fsdp_d" / "fsdp_v" (tokens
@@ -68,6 +75,63 @@ def losses():
     }
 
 
+def kd_losses():
+    def naive(x, y, ids, lp):
+        logq = jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+        qk = jnp.take_along_axis(logq, ids, axis=-1)
+        return jnp.mean(jnp.sum(jnp.exp(lp) * (lp - qk), axis=-1))
+
+    return {"kd_loss": lambda x, y, ids, lp: jfl.kd_loss(x, ids, lp),
+            "distill_loss": lambda x, y, ids, lp: jfl.distill_loss(x, y, ids, lp, alpha=0.5),
+            "xla-naive-kd": naive}
+
+
+def layouts(n_dev: int) -> dict:
+    """Mesh shape and logits spec of each layout: tokens, vocabulary, 2-D from 4 devices."""
+    out = {"tokens": ((n_dev, 1), P("data", None)), "vocab": ((1, n_dev), P(None, "model"))}
+    if n_dev >= 4:
+        out["2d"] = ((n_dev // 2, 2), P("data", "model"))
+    return out
+
+
+def kd_rows(args, meta) -> list[dict]:
+    """Distillation's rows (module docstring): one device at the per-device token count, then
+    each layout."""
+    n_dev = len(jax.devices())
+    per, vocab, k = args.tokens_per_device, args.vocab, args.k
+    n = per * n_dev
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = (jax.random.normal(keys[0], (n, vocab), jnp.float32) * 2).astype(jnp.bfloat16)
+    y = jax.random.randint(keys[1], (n,), 0, vocab)
+    ids = jax.random.randint(keys[2], (n, k), 0, vocab)
+    lp = jax.nn.log_softmax(jax.random.normal(keys[3], (n, k)) * 2, axis=-1)
+    meta = dict(meta, N=n, K=k, op="kd")
+    rows = []
+    for name, loss in kd_losses().items():
+        f = jax.jit(jax.value_and_grad(loss))
+        args1 = (x[:per], y[:per], ids[:per], lp[:per])
+        rows.append(dict(meta, layout="one_device", N=per, impl=name, ms=time_ms(f, *args1),
+                         comm_bytes=0, temp_bytes=f.lower(*args1).compile().memory_analysis()
+                         .temp_size_in_bytes))
+        print(rows[-1], flush=True)
+    for layout, (shape, spec) in layouts(n_dev).items():
+        mesh = jax.make_mesh(shape, ("data", "model"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        aux = [jax.device_put(a, NamedSharding(mesh, P(spec[0], *([None] * (a.ndim - 1)))))
+               for a in (y, ids, lp)]
+        for name, loss in kd_losses().items():
+            f = jax.jit(jax.value_and_grad(loss))
+            compiled = f.lower(xs, *aux).compile()
+            _, g = compiled(xs, *aux)
+            rows.append(dict(meta, layout=layout, impl=name, ms=time_ms(compiled, xs, *aux),
+                             comm_bytes=comm_bytes(compiled.as_text()),
+                             temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+                             grad_sharding=str(g.sharding.spec)))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def head_losses(modes=("fast", "low_precision", "lean")):
     def naive(h, w, y):
         z = (h @ w.T).astype(jnp.float32)
@@ -130,11 +194,15 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256, help="V (llama3: 128256)")
     ap.add_argument("--head", action="store_true", help="the LM head instead of cross_entropy")
     ap.add_argument("--dim", type=int, default=4096, help="D of the LM head")
+    ap.add_argument("--kd", action="store_true", help="kd_loss / distill_loss instead")
+    ap.add_argument("--k", type=int, default=64, help="teacher entries a token (--kd)")
     args = ap.parse_args()
-    if args.head:
+    if args.head or args.kd:
         meta = dict(device=jax.devices()[0].device_kind, n_devices=len(jax.devices()),
                     jax=jax.__version__, date=datetime.date.today().isoformat(),
                     V=args.vocab, dtype="bfloat16")
+        if args.kd:
+            return _write(args.out, "sharded_kd.csv", kd_rows(args, meta))
         return _write(args.out, "sharded_head.csv", head_rows(args, meta))
     devs = jax.devices()
     n_dev = len(devs)
@@ -153,10 +221,7 @@ def main() -> None:
                          ms=time_ms(f, x1, y1), comm_bytes=0,
                          temp_bytes=f.lower(x1, y1).compile().memory_analysis()
                          .temp_size_in_bytes))
-    layouts = {"tokens": ((n_dev, 1), P("data", None)), "vocab": ((1, n_dev), P(None, "model"))}
-    if n_dev >= 4:
-        layouts["2d"] = ((n_dev // 2, 2), P("data", "model"))
-    for layout, (shape, spec) in layouts.items():
+    for layout, (shape, spec) in layouts(n_dev).items():
         mesh = jax.make_mesh(shape, ("data", "model"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 2)
         xs = jax.device_put(x, NamedSharding(mesh, spec))

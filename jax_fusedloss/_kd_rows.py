@@ -54,15 +54,62 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                                 row_scale)
 
 
+def _slice_options(x, opts: KDOptions) -> dict:
+    return dict(temperature=opts.temperature, normalize=opts.normalize, distill=opts.distill,
+                num_sms=_triton_jax.num_sms(), smoothing=opts.smoothing, softcap=opts.softcap,
+                itemsize=x.dtype.itemsize)
+
+
+def _triton_vocab_stats(x, opts: KDOptions):
+    """`_xla_kd.vocab_stats` of `[N, V]` logits through kd_partial_kernel (kd_partials_plan):
+    the partials of each row's splits merged here (one split for many rows)."""
+    from jax_fusedloss.kernels import kd
+
+    def plan(n, vocab):
+        return kd.kd_partials_plan(n, vocab, **_slice_options(x, opts))
+
+    (part,) = _triton_jax.run_rows(plan, ("x",), x)
+    m_i = part[..., 0]
+    m = m_i.max(axis=1)
+    shift = jnp.where(jnp.isneginf(m_i), -jnp.inf, m_i - _xla_chunks.safe_max(m)[:, None])
+    inv_temp = _validate.inverse_temperature(opts.temperature)
+    s = (part[..., 1] * jnp.exp(shift)).sum(axis=1)
+    s_kd = (part[..., 2] * jnp.exp(shift * inv_temp)).sum(axis=1)
+    sumz = part[..., 3].sum(axis=1)
+    return (m, s if opts.distill else None, s_kd if _xla_kd.kd_stats_needed(opts) else None,
+            sumz if opts.distill and opts.smoothing > 0 else None)
+
+
+def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
+    """The unit-cotangent gradient of a vocabulary slice (rows weighted by stats[:, 3:5]) from
+    the merged statistics, through kd_bwd_kernel: no collective (each device gathers the
+    logits at the teacher ids in its own slice)."""
+    from jax_fusedloss.kernels import kd
+
+    n, vocab = x.shape
+    off = _sharding.slice_offset(vocab, axes)
+    local = ids - off
+    ids_local = jnp.where((local >= 0) & (local < vocab), local, -1)  # -1 stays out
+    total = _sharding.global_vocab(vocab, axes)
+
+    def plan(rows, v):
+        return kd.kd_bwd_plan(rows, v, ids.shape[-1], vocab_total=total,
+                              ignore_index=opts.ignore_index, z_loss=opts.z_loss,
+                              **_slice_options(x, opts))
+
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats", "offset"), x, ids_local,
+                                lp, y, stats, jnp.broadcast_to(off, (n,)))[0]
+
+
 # ----------------------------------------------------------------------------- row functions
-def _vp_gathers(x, ids, y, opts: KDOptions, axes):
-    """Slice offset, global vocabulary, the vocabulary statistics (vocab_stats) merged over
+def _vp_gathers(x, ids, y, opts: KDOptions, axes, vocab_stats=_xla_kd.vocab_stats):
+    """Slice offset, global vocabulary, the vocabulary statistics (`vocab_stats`) merged over
     the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
     vocab = x.shape[1]
     off = _sharding.slice_offset(vocab, axes)
     xk = _xla_kd.slice_gather(x, ids, off)
     xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
-    m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
+    m, s, s_kd, sumz = (vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
                         else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
     m_all = jax.lax.pmax(m, axes)
     shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
@@ -78,18 +125,27 @@ def _vp_gathers(x, ids, y, opts: KDOptions, axes):
 
 def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
     """fwd: (x, ids, lp, y, row_scale) -> (loss, stats); fwd_grad adds the unit-cotangent
-    gradient; bwd: (x, ids, lp, y, stats) -> grad. The vocabulary-parallel forms run the XLA
-    formulation on each slice: statistics merged with O(N) all-reduces, x at the teacher ids
-    with one O(N*K) all-reduce."""
+    gradient; bwd: (x, ids, lp, y, stats) -> grad. The vocabulary-parallel forms: each
+    slice's statistics (Triton: kd_partial_kernel; XLA: vocab_stats) merged with O(N)
+    all-reduces and x at the teacher ids and labels with one O(N*K) all-reduce, the rows
+    finished from those (O(N*K), `_xla_kd.rows_fwd`), then the slice's gradient (Triton:
+    kd_bwd_kernel from the merged statistics, no collective; XLA: rows_bwd)."""
     if opts.tail:
         return _tail_row_fns(opts, impl)
     if impl == "triton":
+        vocab_stats = _triton_vocab_stats
+
         def fwd(x, ids, lp, y, rs):
             return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=False)
 
         def fwd_grad(x, ids, lp, y, rs):
             return _triton_rows_fwd(x, ids, lp, y, rs, opts, write_grad=True)
+
+        def bwd_vp(x, ids, lp, y, stats, axes):
+            return (_triton_slice_bwd(x, ids, lp, y, stats, opts, axes),)
     else:
+        vocab_stats = _xla_kd.vocab_stats
+
         def fwd(x, ids, lp, y, rs):
             return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts)
 
@@ -97,14 +153,15 @@ def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
             loss, stats = fwd(x, ids, lp, y, rs)
             return loss, stats, _xla_kd.rows_bwd(x, ids, lp, y, stats, opts)
 
+        def bwd_vp(x, ids, lp, y, stats, axes):
+            off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
+            return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab,
+                                     xk=xk),)
+
     def fwd_vp(x, ids, lp, y, rs, axes):
-        _, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes)
+        _, vocab, vstats, xk, xy = _vp_gathers(x, ids, y, opts, axes, vocab_stats)
         return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts, vocab=vocab, vstats=vstats, xk=xk,
                                 xy=xy)
-
-    def bwd_vp(x, ids, lp, y, stats, axes):
-        off, vocab, _, xk, _ = _vp_gathers(x, ids, y, opts, axes)
-        return (_xla_kd.rows_bwd(x, ids, lp, y, stats, opts, offset=off, vocab=vocab, xk=xk),)
 
     def bwd(x, ids, lp, y, st):
         return (_xla_kd.rows_bwd(x, ids, lp, y, st, opts),)

@@ -40,6 +40,11 @@ SPLIT_ROWS = (("fp32", (8192, 128255)), ("bf16", (8192, 256000)), ("bf16", (8192
 # whose aligned twin is V=50256.
 KEEP_ROWS = (("bf16", (8192, 151936)), ("bf16", (8192, 151935)), ("fp32", (8192, 50256)))
 KD_KEEP_ROWS = ((8192, 151935), (8192, 151936))
+# The vocabulary-parallel rows (kd_partials_plan, kd_bwd_plan) on one device's slice: V=128256
+# over 2 devices in every dtype, bf16 at an unaligned slice, and a slice of V=151936 over 2
+# (75968 columns, distill_loss's power form from launch.KD_POWER_MIN_VOCAB).
+KD_VP_CASES = tuple((dt, shape) for dt in DTYPES for shape in ((8192, 64128), (8, 64128))) + (
+    ("bf16", (8192, 50257)), ("bf16", (8, 50257)), ("bf16", (8192, 75968)))
 
 
 def _itemsize(dt: str) -> int:
@@ -123,6 +128,16 @@ def _kd():
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,
                                          write_grad=True, itemsize=2), "bf16", types)
+    bwd_types = dict(ids="*i32", lp="*fp32", y="*i32", stats="*fp32", offset="*i32")
+    for (dt, (n, v)), (normalize, distill, t, extra) in itertools.product(KD_VP_CASES, options):
+        slice_opts = dict(temperature=t, normalize=normalize, distill=distill, num_sms=SMS,
+                          smoothing=extra.get("smoothing", 0.0), softcap=extra.get("softcap"),
+                          itemsize=_itemsize(dt))
+        if distill or normalize == "full":  # "topk" kd_loss takes no statistics pass
+            yield from _specs(kd.kd_partials_plan(n, v, **slice_opts), dt, {})
+        yield from _specs(kd.kd_bwd_plan(n, v, 64, vocab_total=2 * v, ignore_index=-100,
+                                         z_loss=extra.get("z_loss", 0.0), **slice_opts),
+                          dt, bwd_types)
 
 
 def _kd_tail():

@@ -36,7 +36,7 @@ from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, load
 from jax_fusedloss._validate import inverse_temperature
 from jax_fusedloss.kernels import launch
 from jax_fusedloss.kernels.launch import KD_IDS_WARPS, merge_block, row_config
-from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
 DUP_CHUNK = 16  # teacher entries compared per step when summing duplicates: [BLOCK_K, 16] tiles
 # Per-row statistics, float32 [N, STATS_FIELDS] = (lse(z), L, P, ce_a, kd_a, r, lg_x, r_L,
@@ -516,10 +516,13 @@ def kd_partial_kernel(
 
 @triton.jit
 def kd_bwd_kernel(
-    # pointers
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr,
-    # sizes, strides, options
-    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
+    # pointers: logits [N, V], ids / logprobs [N, K] (ids local: columns of these logits),
+    # labels [N] (global: columns of the whole vocabulary), stats [N, STATS_FIELDS],
+    # offset [N] int32 (the global column of the row's first logit)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, offset_ptr,
+    # sizes, strides, options; vocab_total: the whole vocabulary (V, unless these logits
+    # are a vocabulary slice)
+    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, vocab_total,
     # outputs
     grad_ptr,
     # constexprs
@@ -530,19 +533,26 @@ def kd_bwd_kernel(
 ):
     """Grid (N, NUM_SPLITS): the gradient of one slice from the row's statistics (the
     cross-entropy coefficients recomputed from lse and ce_a); only the program whose slice
-    holds an id stores that id's column."""
+    holds an id stores that id's column.
+
+    The logits may be one vocabulary slice of `vocab_total` columns starting at global column
+    `offset` (the vocabulary-parallel backward: statistics merged across devices, each device
+    writing its slice): a label is checked against the whole vocabulary and written where it
+    falls in the slice; the caller maps the teacher ids to the slice's columns (-1 outside)."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
     stop = tl.minimum(start + SPLIT_V, V)
-    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    label, active, bad = _row_state(labels_ptr, row, vocab_total, ignore_index, DISTILL)
+    label = tl.where(bad, -1, label - tl.load(offset_ptr + row))  # a column of the slice, if any
     st = stats_ptr + row * STATS_FIELDS
     a = 0.0
     b = 0.0
     c = 0.0
     if DISTILL:
-        a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
+        a, b, c = ce_coefs(tl.load(st), vocab_total, smoothing, z_loss, bad, tl.load(st + 3),
+                           HAS_ZLOSS)
     r, lg_x, r_L, lg_L, P, kd_a = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7),
                                    tl.load(st + 8), tl.load(st + 2), tl.load(st + 4))
     _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c, kd_a,
@@ -615,12 +625,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     part, splits = "row_scale", 1  # part is not read unless it holds split partials
     if not fused and needs_vocab_pass(flags):
         part, splits = "part", cfg.num_splits
-        launches.append(Launch(
-            kd_partial_kernel, (n, splits), ("x",), (vocab, vocab, inv_temp, cap),
-            (Buf("part", (n, splits, 4), "float32"),), cfg.num_warps,
-            dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
-                 CE_STATS=flags["CE_STATS"], KD_STATS=flags["KD_STATS"],
-                 HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"])))
+        launches.append(_partials_launch(n, vocab, flags, cfg, inv_temp, cap))
     write_here = write_grad and fused
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     walk_gather = (write_here and needs_vocab_pass(flags)
@@ -647,8 +652,66 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
 
 
-def kd_bwd_launch(n, vocab, k, scalars, flags, cfg) -> Launch:
-    """x, ids, lp, y, stats -> grad (the row weights folded into stats)."""
-    return Launch(kd_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats"), scalars,
+def _partials_launch(n, vocab, flags, cfg, inv_temp, cap) -> Launch:
+    """x -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) / T), sum z) of
+    each row's S vocabulary splits."""
+    return Launch(kd_partial_kernel, (n, cfg.num_splits), ("x",), (vocab, vocab, inv_temp, cap),
+                  (Buf("part", (n, cfg.num_splits, 4), "float32"),), cfg.num_warps,
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
+                       CE_STATS=flags["CE_STATS"], KD_STATS=flags["KD_STATS"],
+                       HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"]))
+
+
+def kd_bwd_launch(n, vocab, k, scalars, flags, cfg, offset="", vocab_total=None) -> Launch:
+    """x, ids, lp, y, stats[, offset] -> grad (the row weights folded into stats): `offset`
+    names the [N] int32 input holding the first global column of a vocabulary slice of
+    `vocab_total` columns (none: the whole row, offset 0)."""
+    return Launch(kd_bwd_kernel, (n, cfg.num_splits),
+                  ("x", "ids", "lp", "y", "stats", offset or Zeros((n,), "int32")),
+                  scalars + (vocab if vocab_total is None else vocab_total,),
                   (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
                   dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
+
+
+# ----------------------------------------------------------------------------- vocabulary-parallel
+# A device holding a vocabulary slice of every row (kd_loss / distill_loss with the logits
+# sharded on V): kd_partials_plan's statistics of its slice, merged across the devices with
+# O(N) all-reduces (and the logits at the teacher ids and labels with one O(N * K) all-reduce)
+# by the caller, which finishes the rows; then kd_bwd_plan writes the slice's unit-cotangent
+# gradient from the merged statistics. Two reads of the slice and one write: the floor of a
+# loss whose statistics span devices.
+def _slice_flags(vocab, k, temperature, normalize, distill, smoothing, z_loss, softcap,
+                 itemsize) -> dict:
+    return kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss,
+                         launch.kd_power(vocab, itemsize))
+
+
+def kd_partials_plan(n: int, vocab: int, *, temperature: float, normalize: str, distill: bool,
+                     num_sms: int, smoothing: float = 0.0, softcap: float | None = None,
+                     itemsize: int = 0) -> Plan:
+    """x -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) / T), sum z) of each
+    row's S vocabulary splits (relative to each split's max; sum exp(z - max) for distill,
+    the T-sum where the KD term has its own softmax, sum z with label smoothing, 0 where not
+    needed: kd_constexprs). None of it is needed for "topk" kd_loss (needs_vocab_pass)."""
+    flags = _slice_flags(vocab, 1, temperature, normalize, distill, smoothing, 0.0, softcap,
+                         itemsize)
+    return Plan((_partials_launch(n, vocab, flags, row_config(n, vocab, num_sms),
+                                  inverse_temperature(temperature), float(softcap or 1.0)),),
+                ("part",))
+
+
+def kd_bwd_plan(n: int, vocab: int, k: int, *, vocab_total: int, temperature: float,
+                normalize: str, distill: bool, ignore_index: int, num_sms: int,
+                smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                itemsize: int = 0) -> Plan:
+    """x, ids, lp, y, stats, offset -> grad: the gradient of a vocabulary slice `x` [N, V] of
+    `vocab_total` columns from the rows' merged statistics [N, STATS_FIELDS] (the cotangent
+    folded into the row weights), `offset` [N] int32 the slice's first global column, `y` the
+    global labels and `ids` the teacher ids as columns of the slice (-1 elsewhere)."""
+    flags = _slice_flags(vocab, k, temperature, normalize, distill, smoothing, z_loss, softcap,
+                         itemsize)
+    scalars = (vocab, k, vocab, inverse_temperature(temperature), ignore_index,
+               float(smoothing), float(z_loss), float(softcap or 1.0))
+    cfg = row_config(n, vocab, num_sms, write_grad=True)
+    return Plan((kd_bwd_launch(n, vocab, k, scalars, flags, cfg, "offset", vocab_total),),
+                ("grad",))
