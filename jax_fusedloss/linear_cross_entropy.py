@@ -24,9 +24,10 @@ def default_chunk_size(n: int, vocab: int, dim: int, dtype, mode: str = DEFAULT_
     """Tokens per chunk when `chunk_size=None` (`jax_fusedloss.kernels.linear_ce.chunk_rows`):
     the largest power of two C (at most N) whose `[C, V]` logits fit `CHUNK_BUDGET_BYTES` (128
     MiB: 512 rows at V=128256 in bf16; their gradient overwrites them in place), but for 16-bit
-    logits at least 4096 rows with mode="fast" and 1024 with "low_precision" (each chunk's
-    update of dW reads and writes all of dW: fewer, longer chunks are faster). `dim` does not
-    change it."""
+    logits at least 4096 rows with mode="fast" and 1024 with "lean", and with "low_precision"
+    the largest multiple of 128 rows within 192 MiB of logits (768 at V=128256: each chunk's
+    update of dW reads and writes all of dW, so fewer, longer chunks are faster, and the
+    chunk's logits are the mode's memory). `dim` does not change it."""
     del dim
     return _lm_head.default_chunk(n, vocab, dtype, mode)
 
@@ -108,13 +109,14 @@ def linear_cross_entropy(
     - "low_precision": three matmuls; dW summed in the weight's dtype, rounded once per chunk
       (as Liger does); nothing weight-sized beyond the returned gradient.
     - "lean": four matmuls (the logits are recomputed in the backward); dW exact to float32
-      accumulation, each entry rounded once; beyond one block of logits only dH's float32
-      `[N, D]` sum.
+      accumulation, each entry rounded once; nothing beyond one block of logits (and the
+      weight's and dW's blocks).
 
     "fast" and "low_precision" compute the gradients for a unit cotangent in the forward (three
-    matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them; "lean" keeps
-    per-row statistics and its backward walks blocks of vocabulary columns over all tokens,
-    writing each block of dW once. float16 inputs, `reduction="none"` and `return_lse=True`
+    matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them; "lean" computes
+    dH so in the forward (two matmuls per chunk), keeps per-row statistics, and its backward
+    walks blocks of vocabulary columns over all tokens, writing each block of dW once. float16
+    inputs, `reduction="none"` and `return_lse=True`
     (per-token cotangents) recompute the logits in the backward in every mode, with the
     cotangent applied before anything is rounded to float16 (no entry a loss scale would save
     is flushed). Measured numbers: the README's LM-head table and the docs' performance page.
@@ -140,10 +142,11 @@ def linear_cross_entropy(
       chunk_size: the memory knob: tokens per chunk of the forward's walk (>= 1), and the
         lean backward's blocks hold as many logits (`chunk_size * V`); None for
         `default_chunk_size`: `[C, V]` logits within
-        `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but at least 1024
-        rows ("low_precision", "lean") or 4096 ("fast") for 16-bit logits, where each chunk's
-        update of dW reads and writes all of dW or the chunk's GEMM runs short (fewer, longer
-        chunks are faster); the lean backward's blocks then keep the 128 MiB budget. A ragged
+        `jax_fusedloss.kernels.linear_ce.CHUNK_BUDGET_BYTES` (128 MiB), but for 16-bit logits
+        at least 4096 rows ("fast") or 1024 ("lean"), and in "low_precision" as many rows as
+        192 MiB of logits hold (a multiple of 128), where each chunk's update of dW reads and
+        writes all of dW or the chunk's GEMM runs short (fewer, longer chunks are faster); the
+        lean backward's blocks then keep the 128 MiB budget. A ragged
         last chunk is allowed.
       vocab_axis: inside `jax.shard_map` only: the mesh axis name (or names) over which the
         vocabulary of `weight` (and `bias`) is split, device i of those axes holding rows

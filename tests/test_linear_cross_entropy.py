@@ -354,15 +354,23 @@ def test_vmap_and_scan():
 
 def test_default_chunk_size():
     """128 MiB of chunk logits (the gradient overwrites them), but for 16-bit logits at least
-    4096 rows in "fast" and 1024 in "low_precision" and "lean"; powers of two, at most N. The
-    lean backward's vocabulary blocks hold 128 MiB of logits (chunk_size * V if given)."""
-    from jax_fusedloss.kernels.linear_ce import vocab_block
+    4096 rows in "fast" and 1024 in "lean" (powers of two), and in "low_precision" the largest
+    multiple of 128 rows within 192 MiB of logits; at most N. The lean backward's vocabulary
+    blocks hold 128 MiB of logits (chunk_size * V if given)."""
+    from jax_fusedloss.kernels.linear_ce import LOW_PRECISION_CHUNK_BYTES, vocab_block
 
-    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "low_precision") == 1024
+    assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "low_precision") == 768
     assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "fast") == 4096
     assert default_chunk_size(8192, 128256, 4096, jnp.bfloat16, "lean") == 1024
-    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16, "low_precision") == 1024
-    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "low_precision") == 2048  # budget
+    assert default_chunk_size(8192, 151936, 4096, jnp.bfloat16, "low_precision") == 640
+    assert default_chunk_size(8192, 256000, 2304, jnp.bfloat16, "low_precision") == 384
+    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "low_precision") == 3072
+    assert default_chunk_size(8192, 32000, 2304, jnp.bfloat16, "lean") == 2048  # budget
+    assert default_chunk_size(500, 128256, 4096, jnp.bfloat16, "low_precision") == 500
+    for v in (32000, 128256, 151936, 256000):
+        c = default_chunk_size(8192, v, 4096, jnp.bfloat16, "low_precision")
+        assert c % 128 == 0 and c * v * 2 <= LOW_PRECISION_CHUNK_BYTES < (c + 128) * v * 2
+    assert lce_torch.default_chunk_size(8192, 128256, torch.bfloat16, "low_precision") == 768
     assert default_chunk_size(8192, 128256, 4096, jnp.float32, "fast") == 256  # no floor
     assert default_chunk_size(100, 128256, 4096, jnp.bfloat16) == 100
     assert default_chunk_size(5, 10**9, 64, jnp.float32) == 1

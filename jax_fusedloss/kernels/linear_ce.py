@@ -18,30 +18,44 @@ import math
 # The default chunk's logits stay within this many bytes (`chunk_size=` overrides it per call):
 # 128 MiB is 512 rows at V=128256 in bf16 ...
 CHUNK_BUDGET_BYTES = 128 << 20
-# ... but for 16-bit logits a chunk keeps at least this many rows in the modes that update dW
-# per chunk (each update reads and writes all of dW; fewer, longer chunks are faster). Measured
-# on H100, bf16, N=8192, D=4096, V=128256 ([V, D] weight), fwd+bwd, x the three bare matmuls /
-# XLA temporaries beyond inputs and gradients (benchmarks/results/linear_ce_h100.csv, NOTES.md):
-#   "low_precision": C=512 1.23x 0.17 GiB | 1024 1.10x 0.31 GiB
-#   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.09x 2.08 GiB (the float32 dW dominates)
-# "lean" updates no dW in its forward, but its chunk's logits GEMM runs at M = C as well:
-#   "lean":          C=512 1.55x | 1024 (and its backward's blocks of 1024 * V logits) 1.47x
-# (its backward's blocks keep the budget: `budget_rows`). float32 logits run float32 matmuls
-# (far fewer flops per second): no floor.
-MIN_ROWS_16BIT = {"fast": 4096, "low_precision": 1024, "lean": 1024}
+# ... but for 16-bit logits a chunk keeps at least this many rows in "fast" and "lean" (fewer,
+# longer chunks are faster: "fast" updates its float32 dW per chunk, and lean's chunk GEMM runs
+# at M = C), and in "low_precision" fills LOW_PRECISION_CHUNK_BYTES (each chunk's beta=1 GEMM
+# reads and writes all of dW, so fewer chunks are faster; the chunk's logits are its memory).
+# Measured on H100, bf16, N=8192, D=4096, V=128256 ([V, D] weight), fwd+bwd, x the three bare
+# matmuls / XLA temporaries beyond inputs and gradients (benchmarks/results/lm_head_h100.csv,
+# NOTES.md):
+#   "low_precision": C=512 1.23x 0.17 GiB | 768 1.08x 0.24 GiB | 1024 1.10-1.14x 0.31 GiB
+#   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.08-1.12x 2.08 GiB (the float32 dW dominates)
+#   "lean":          C=768 1.49x 0.30 GiB | 1024 1.50x 0.22 GiB (its backward's blocks hold C * V
+#                    logits with the weight's and dW's blocks: `vocab_block`)
+# float32 logits run float32 matmuls (far fewer flops per second): no floor.
+MIN_ROWS_16BIT = {"fast": 4096, "lean": 1024}
+LOW_PRECISION_CHUNK_BYTES = 192 << 20
+# "low_precision"'s chunks are a multiple of this many rows (a GEMM tile of M).
+ROW_ALIGN = 128
 
 
 def chunk_rows(n: int, vocab: int, itemsize: int, mode: str) -> int:
-    """Default tokens per chunk: the largest power of two C with `C * vocab * itemsize <=
-    CHUNK_BUDGET_BYTES`, raised to `MIN_ROWS_16BIT[mode]` for 16-bit logits, at most n (n
-    itself when all n tokens fit). Powers of two divide the usual token counts (no ragged
-    tail) and keep the matmuls' M dimension tile-aligned. `itemsize`: the logits' (the
-    hidden/weight dtype's)."""
-    rows = max(1, CHUNK_BUDGET_BYTES // (vocab * itemsize))
-    if itemsize == 2:
+    """Default tokens per chunk, at most n (n itself when all n tokens fit): the largest power
+    of two C with `C * vocab * itemsize <= CHUNK_BUDGET_BYTES`, for 16-bit logits raised to
+    `MIN_ROWS_16BIT[mode]` ("fast", "lean") or, in "low_precision", to the largest multiple of
+    ROW_ALIGN rows within LOW_PRECISION_CHUNK_BYTES (768 at V=128256 in bf16). Powers of two
+    divide the usual token counts (no ragged tail); every choice keeps the matmuls' M
+    dimension tile-aligned. `itemsize`: the logits' (the hidden/weight dtype's)."""
+    row_bytes = vocab * itemsize
+    rows = max(1, CHUNK_BUDGET_BYTES // row_bytes)
+    aligned = False
+    if itemsize == 2 and mode == "low_precision":
+        fill = LOW_PRECISION_CHUNK_BYTES // row_bytes // ROW_ALIGN * ROW_ALIGN
+        aligned = fill > rows
+        rows = max(rows, fill)
+    elif itemsize == 2:
         rows = max(rows, MIN_ROWS_16BIT[mode])
     if n <= rows:
         return max(n, 1)
+    if aligned:
+        return rows
     chunk = 1
     while chunk * 2 <= rows:
         chunk *= 2
