@@ -61,6 +61,7 @@ class HeadOptions(NamedTuple):
     layout: str  # "dv" ([D, V]) or "vd" ([V, D])
     mode: str
     chunk: int  # tokens per chunk of the token walk
+    stats_chunk: int  # ... of a forward that keeps statistics only (role "fwd")
     block: int  # vocabulary columns per block of the vocabulary walk
     block_rows: int  # tokens per chunk inside a block (N: all at once)
 
@@ -144,16 +145,21 @@ def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
 def head_options(n: int, vocab: int, dtype, layout: str, mode: str,
                  chunk_size: int | None) -> HeadOptions:
     """The walks' sizes for N tokens and this device's `vocab` columns: the token walk's chunk
-    (`chunk_size`, validated by the caller, or `default_chunk`) and the vocabulary walk's
-    blocks of `chunk_size * V` logits (by default the 128 MiB budget:
+    (`chunk_size`, validated by the caller, or `default_chunk`), the chunk of a forward that
+    keeps statistics only (no dW per chunk, so nothing gains from long chunks: by default
+    "low_precision"'s, 640 rows at V=151936 in bf16, a rollout-scoring call's memory), and the
+    vocabulary walk's blocks of `chunk_size * V` logits (by default the 128 MiB budget:
     `kernels.linear_ce.budget_rows`)."""
+    itemsize = jnp.dtype(dtype).itemsize
     if chunk_size is None:
         chunk = default_chunk(n, vocab, dtype, mode)
-        block_chunk = _plans.budget_rows(vocab, jnp.dtype(dtype).itemsize)
+        stats_chunk = min(chunk, default_chunk(n, vocab, dtype, "low_precision"))
+        block_chunk = _plans.budget_rows(vocab, itemsize)
     else:
-        chunk = block_chunk = min(chunk_size, max(n, 1))
+        chunk = stats_chunk = block_chunk = min(chunk_size, max(n, 1))
     block, block_rows = _plans.vocab_block(n, vocab, block_chunk)
-    return HeadOptions(layout=layout, mode=mode, chunk=chunk, block=block, block_rows=block_rows)
+    return HeadOptions(layout=layout, mode=mode, chunk=chunk, stats_chunk=stats_chunk,
+                       block=block, block_rows=block_rows)
 
 
 # ----------------------------------------------------------------------------- chunk algebra
@@ -266,7 +272,7 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
             db = db + jnp.sum(g.astype(f32), axis=0)
         return new + (dh, dw, db)
 
-    outs = _chunks(n, min(head.chunk, n), body, init)
+    outs = _chunks(n, min(head.stats_chunk if role == "fwd" else head.chunk, n), body, init)
     dw = outs[-2]  # dW leaves the walk in W's dtype ("fast": its float32 sum rounded once here)
     return outs[:-2] + (None if dw is None else dw.astype(w.dtype), outs[-1])
 

@@ -115,8 +115,10 @@ def linear_token_logprobs(
       mode: "fast", "low_precision" or "lean" (see `linear_cross_entropy`).
       implementation: None (Triton kernels on a CUDA GPU, XLA elsewhere), "triton" or "xla";
         the matmuls are XLA's either way.
-      chunk_size: tokens per chunk of the walk (>= 1); None for
-        `linear_cross_entropy.default_chunk_size`.
+      chunk_size: tokens per chunk of the walks (>= 1); None for
+        `linear_cross_entropy.default_chunk_size` in the backward's token walk, and for the
+        forward (statistics only, no dW per chunk) at most "low_precision"'s default (192 MiB
+        of 16-bit logits: 640 rows at V=151936), whatever the mode.
       vocab_axis: inside `jax.shard_map` only: the mesh axis (or axes) splitting the
         vocabulary of `weight` (and `bias`), as in `linear_cross_entropy`; labels are global.
         Under `jax.jit` tokens-sharded `hidden` and vocabulary-sharded `weight` partition

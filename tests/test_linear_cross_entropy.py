@@ -593,3 +593,20 @@ def test_gpu_in_place_gradient_saves_one_chunk_of_logits(monkeypatch):
         f"in place saves {saved / 2**20:.0f} MiB of temporaries ({temps[True] / 2**20:.0f} vs "
         f"{temps[False] / 2**20:.0f} MiB); one chunk's logits are {chunk * vocab * 2 / 2**20:.0f}")
     assert temps[True] <= chunk * vocab * 2 + (64 << 20), temps
+
+
+def test_statistics_only_forward_takes_short_chunks():
+    """A forward that keeps statistics only (rollout scoring, the recompute modes' forward)
+    updates no dW per chunk, so its default chunk is "low_precision"'s (192 MiB of 16-bit
+    logits) whatever the mode: 640 rows at V=151936, not "fast"'s 4096; a given chunk_size
+    sizes every walk."""
+    from jax_fusedloss import _lm_head
+
+    for mode in ("fast", "low_precision", "lean"):
+        o = _lm_head.head_options(8192, 151936, jnp.bfloat16, "dv", mode, None)
+        assert o.stats_chunk == 640 and o.chunk == {"fast": 4096, "low_precision": 640,
+                                                    "lean": 1024}[mode], o
+        assert _lm_head.head_options(8192, 151936, jnp.bfloat16, "dv", mode, 300).stats_chunk \
+            == 300
+    assert _lm_head.head_options(100, 151936, jnp.bfloat16, "dv", "fast", None).stats_chunk \
+        == 100
