@@ -229,6 +229,7 @@ def test_kernel_never_reads_out_of_bounds(path):
     whose neighbouring rows are NaN give finite results equal to masking those entries."""
     import torch
 
+    from torch_ref._kd_rows64 import Form
     from torch_ref.kd import _rows
 
     vocab, n = 300, 3
@@ -244,7 +245,8 @@ def test_kernel_never_reads_out_of_bounds(path):
                   mask=jnp.asarray((raw == to_torch(ids)).cpu().numpy()))
     ones = {"loss": jnp.ones((n,))}  # the kernels' gradient is for a unit cotangent per row
     for normalize in ("full", "topk"):
-        loss, grad = _rows(x, raw, to_torch(lp), y, row_scale, 1.0, normalize, False, -100, True)
+        loss, grad, _ = _rows(x, raw, to_torch(lp), y, row_scale,
+                              Form(1.0, normalize, False, -100), True)
         assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
         routs, rgrad = KD.expected(inputs, dict(normalize=normalize, reduction="none"), ones)
         assert_close(loss, routs["loss"], rtol=2e-5, atol=1e-6, what=f"{normalize} loss")
