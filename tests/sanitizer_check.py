@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python -m tests.sanitizer_check torch
     compute-sanitizer --tool racecheck --error-exitcode 1 python -m tests.sanitizer_check torch
     compute-sanitizer --tool memcheck --error-exitcode 1 python -m tests.sanitizer_check jax
+    compute-sanitizer --tool memcheck --error-exitcode 1 python -m tests.sanitizer_check lm_head
 
 Shapes cover the row path and the split path (few rows), an odd vocabulary (5003, no vector
 alignment), a tile-sized one (4096), rows long enough for the fused pass's prefetch (65537, the
@@ -73,7 +74,39 @@ def run_jax() -> None:
                 jax.block_until_ready(jax.jit(jax.value_and_grad(f))(x))
 
 
+def run_lm_head() -> None:
+    """The hidden-state forms in every mode, both walks: row-path chunks (>= 264 rows), few-row
+    chunks, and several vocabulary blocks (chunk_size=64 at V=5003: square blocks)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_fusedloss as jfl
+
+    n, d, v = 300, 64, 5003
+    k = jax.random.split(jax.random.key(0), 5)
+    h = jax.random.normal(k[0], (n, d)).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (d, v)) * 0.1).astype(jnp.bfloat16)
+    y = jax.random.randint(k[2], (n,), 0, v)
+    cot = jax.random.normal(k[3], (n,))
+    ids = jax.random.randint(k[4], (n, 16), -2, v + 2)
+    lp = jax.nn.log_softmax(jax.random.normal(k[4], (n, 16)))
+    for mode in ("fast", "low_precision", "lean"):
+        for chunk in (None, 64):
+            o = dict(mode=mode, chunk_size=chunk)
+            fns = [
+                lambda h, w: jfl.linear_cross_entropy(h, w, y, **o) * 3.0,
+                lambda h, w: jnp.sum(cot * jfl.linear_token_logprobs(
+                    h, w, y, temperature=0.9, return_entropy=True, **o)[0]),
+                lambda h, w: jnp.sum(sum(jfl.linear_token_logprobs(
+                    h, w, y, return_entropy=True, **o))),
+                lambda h, w: jfl.linear_kd_loss(h, w, ids, lp, **o),
+                lambda h, w: jfl.linear_distill_loss(h, w, y, ids, lp, alpha=0.4, **o),
+            ]
+            for f in fns:
+                jax.block_until_ready(jax.jit(jax.value_and_grad(f, (0, 1)))(h, w))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    {"torch": run_torch, "jax": run_jax}[sys.argv[1]]()
+    {"torch": run_torch, "jax": run_jax, "lm_head": run_lm_head}[sys.argv[1]]()
     print("ok")
