@@ -16,21 +16,24 @@ cross-entropy row of kernels/_ce_core.py). The spec is jax_fusedloss/_xla/kd_tai
 rows), whose statistics layout (TAIL_FIELDS) these kernels share, so either backward takes
 either forward's statistics.
 
-Q_t without cancellation: the row walk sums exp((z_j - r) / T) over the tail columns only
-(S_t, r the running max of z), skipping the columns of the teacher's ids; S = S_t + the ids'
-terms (a sum of positive terms). The skip costs no per-column search: the launcher passes the
+Q_t without cancellation: the row walk (_tail_stats, _ce_core.slice_stats' per-thread walk
+with its prefetch and kept tiles) sums exp((z_j - r) / T) over every column (S) and, with the
+same exponentials, over the tail columns only (S_t, the ids' columns masked out; r the max
+of z). The mask costs no per-column search and no loop trip per id: the launcher passes the
 row's valid ids sorted ascending (`sid`, int32 [N, K + 1], 2**31 - 1 past the valid ones and
-in the last column), and the walk, which visits its 16-byte aligned tiles in column order,
-carries the next id not yet passed; a tile that holds it clears that column from its tail
-mask (one compare a column per id in the tile, a scalar compare per tile otherwise). The edge
-tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
+in the last column); the walk visits its 16-byte aligned tiles in column order and reads the
+ids of each tile IDS_WINDOW at a time from where the last tile stopped, setting one bit a
+column in a [T] int32 word per thread row of the tile (_tile_ids: 3 operations a thread row
+and id read, about (K + IDS_WINDOW * tiles) of them a row). The edge tile of an unaligned
+row (at most 2 * VEC - 2 columns) compares against every id.
 
 With G_b = dF/dQ_b and C = sum_b G_b Q_b the gradient w.r.t. s_j is q_j (G_b(j) - C): on a tail
 column alpha1 q_j + alpha2 q_j / Q_t (kl: alpha1 = P_D + P_t, alpha2 = -P_t; jsd: alpha1 =
 (1 - beta) log(Q_t / M_t) - C, alpha2 = 0), one exponential a column (the two terms share
 exp((z_j - r) / T), their coefficients folded into one exponent offset); at an id its own
 value (kl: (P_D + P_t) q_d - P_d; jsd: q_d ((1 - beta) log(Q_d / M_d) - C)), times kd_a / T,
-stored over the dense value after a barrier, as kernels/kd.py does.
+stored over the dense value: by tail_ids_kernel (a launch of its own, as kd_ids_kernel) after
+the fused forward + gradient, after a barrier in the backward kernel.
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton only.
 """
@@ -59,6 +62,13 @@ TAIL_FIELDS = tl.constexpr(10)
 NO_ID = tl.constexpr(2**31 - 1)  # the sorted ids' padding: past every column
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 IDS_WINDOW = tl.constexpr(8)  # sorted ids a span tile reads at once (_tile_ids)
+# Whole tiles tail_fwd_kernel's walk keeps in registers for its gradient pass (as
+# launch.KD_KEEP_VOCAB; rows of one exponential a logit only): none. Kept tiles spill (Triton
+# 3.9 for sm_90, bf16 V=128256, 32 warps, i.e. at most 64 registers a thread: 24 bytes of
+# stack at KEEP=1, 72 at KEEP=2), while the prefetch instead takes 48 registers and no stack
+# (launch.PREFETCH_MIN_VOCAB). Unmeasured on a GPU: {2: (120_000, 1 << 62)} keeps one tile
+# from V=120000 for an A/B.
+TAIL_KEEP_VOCAB = {}
 
 
 @triton.jit
@@ -109,8 +119,8 @@ def _tile_ids(sid_row, a, NS, c0, T: tl.constexpr, VEC: tl.constexpr):
     int32 (bit v of bits[j]: column c0 + j * VEC + v, one thread row of the tile), from the
     row's sorted ids sid_row[a:NS], and the index of the first id at or past the tile's end.
     The ids are read IDS_WINDOW at a time (uniform scalar loads, L1 hits), each tested against
-    the tile's thread rows (3 operations a thread row, none a column); a window filled with
-    ids of the tile reads the next one."""
+    the tile's thread rows (a compare, a select and an or a thread row, none a column); a
+    window filled with ids of the tile reads the next one."""
     rows = tl.arange(0, T)
     end = c0 + T * VEC
     bits = tl.zeros([T], tl.int32)
@@ -121,7 +131,7 @@ def _tile_ids(sid_row, a, NS, c0, T: tl.constexpr, VEC: tl.constexpr):
             sv = tl.load(sid_row + a + w, mask=a + w < NS, other=NO_ID)
             inside = (sv >= c0) & (sv < end)
             rel = tl.where(inside, sv - c0, 0)
-            bits |= tl.where(inside & (rows == rel // VEC), 1 << (rel % VEC), 0)
+            bits |= tl.where(rows == rel // VEC, tl.where(inside, 1 << (rel % VEC), 0), 0)
             n_in += (sv < end).to(tl.int32)
         a += n_in
         go = n_in == IDS_WINDOW
@@ -392,12 +402,12 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
-    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     m, s_all, s_t, s_x, sumz, kept0, kept1 = _tail_stats(
         logits_ptr, row * stride_row, V, sid_ptr + row * (K + 1), tl.where(active, K + 1, 0),
         tl.where(valid, ids, -1), softcap, inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL,
         SHARE_EXP, HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP)
     r = safe_max(m)
+    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
                                        K_CHUNK)
     first = valid & (before == 0.0)
@@ -588,14 +598,14 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
     grad, the unit-cotangent gradient, with write_grad): one program per row walks its
     vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
     with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
-    launch.kd_keep_tiles' kept tiles for `itemsize`-byte logits where the walk takes one
+    TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
     exponential a logit; few rows take the same walk, one program a row); then
     tail_ids_kernel writes the id and label columns."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
     share = temperature == 1.0
     exps = 1 if share or not distill else 2
-    cfg = row_config(n, vocab, num_sms, write_grad,
-                     launch.kd_keep_tiles(vocab, itemsize, softcap, exps))
+    keep = launch.keep_tiles(vocab, itemsize, softcap, TAIL_KEEP_VOCAB) if exps == 1 else 0
+    cfg = row_config(n, vocab, num_sms, write_grad, keep)
     block_v, warps, prefetch, keep = cfg.block_v, cfg.num_warps, cfg.prefetch, cfg.keep
     if cfg.num_splits > 1:  # few rows: still one program a row (no split statistics here)
         block_v, warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
