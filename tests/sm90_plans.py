@@ -152,8 +152,9 @@ def _kd_tail():
         kw = dict(temperature=t, divergence=div, beta=0.3, distill=distill, ignore_index=-100,
                   **extra)
         for write_grad in (True, False):
-            yield from _specs(kd_tail.tail_fwd_plan(n, v, 64, write_grad=write_grad, **kw), dt,
-                              types)
+            yield from _specs(kd_tail.tail_fwd_plan(n, v, 64, write_grad=write_grad,
+                                                    num_sms=SMS, itemsize=_itemsize(dt), **kw),
+                              dt, types)
         yield from _specs(kd_tail.tail_bwd_plan(n, v, 64, num_sms=SMS, **kw), dt, types)
 
 

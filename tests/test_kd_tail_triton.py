@@ -85,6 +85,27 @@ def test_tile_walk(monkeypatch, fn, divergence, dtype, vocab, path):
     np.testing.assert_allclose(g, r, rtol=rtol, atol=atol + rtol * np.abs(r).max())
 
 
+@pytest.mark.parametrize("fn, divergence, walk", [
+    ("kd", "kl", "prefetch"), ("distill", "jsd", "prefetch"), ("kd", "jsd", "keep1"),
+    ("kd", "kl", "keep2"),
+])
+def test_walk_prefetch_and_kept_tiles(monkeypatch, fn, divergence, walk):
+    """The fused walk's PREFETCH and KEEP forms (long rows on a GPU) on 16-column tiles: a
+    40-column row of 2 whole tiles and a partial one, ids in the kept tiles."""
+    from jax_fusedloss.kernels import kd_tail, launch
+
+    _small_tiles(monkeypatch)
+    force_path("rows", monkeypatch)
+    monkeypatch.setattr(launch, "PREFETCH_MIN_VOCAB", 0)
+    keep = {"prefetch": 0, "keep1": 1, "keep2": 2}[walk]
+    monkeypatch.setattr(kd_tail, "TAIL_KEEP_VOCAB", {2: (0, 0)[:keep] + (1 << 62,) * (2 - keep)})
+    inputs = _tile_inputs(40, jnp.bfloat16)
+    opts = dict(tail=True, divergence=divergence, temperature=1.0 if walk != "prefetch" else 1.5)
+    if fn == "distill":
+        opts.update(alpha=0.4)
+    check(fn, opts, inputs=inputs, impl="triton", rtol=1e-2, atol=1e-5)
+
+
 @pytest.mark.parametrize("divergence", ["kl", "jsd"])
 def test_tiny_tail_mass_without_cancellation(monkeypatch, divergence):
     """A student with ~1e-8 of its mass outside the teacher's ids: Q_t is summed over the

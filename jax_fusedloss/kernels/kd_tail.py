@@ -16,21 +16,24 @@ cross-entropy row of kernels/_ce_core.py). The spec is jax_fusedloss/_xla/kd_tai
 rows), whose statistics layout (TAIL_FIELDS) these kernels share, so either backward takes
 either forward's statistics.
 
-Q_t without cancellation: the row walk sums exp((z_j - r) / T) over the tail columns only
-(S_t, r the running max of z), skipping the columns of the teacher's ids; S = S_t + the ids'
-terms (a sum of positive terms). The skip costs no per-column search: the launcher passes the
+Q_t without cancellation: the row walk (_tail_stats, _ce_core.slice_stats' per-thread walk
+with its prefetch and kept tiles) sums exp((z_j - r) / T) over every column (S) and, with the
+same exponentials, over the tail columns only (S_t, the ids' columns masked out; r the max
+of z). The mask costs no per-column search and no loop trip per id: the launcher passes the
 row's valid ids sorted ascending (`sid`, int32 [N, K + 1], 2**31 - 1 past the valid ones and
-in the last column), and the walk, which visits its 16-byte aligned tiles in column order,
-carries the next id not yet passed; a tile that holds it clears that column from its tail
-mask (one compare a column per id in the tile, a scalar compare per tile otherwise). The edge
-tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
+in the last column); the walk visits its 16-byte aligned tiles in column order and reads the
+ids of each tile IDS_WINDOW at a time from where the last tile stopped, setting one bit a
+column in a [T] int32 word per thread row of the tile (_tile_ids: 3 operations a thread row
+and id read, about (K + IDS_WINDOW * tiles) of them a row). The edge tile of an unaligned
+row (at most 2 * VEC - 2 columns) compares against every id.
 
 With G_b = dF/dQ_b and C = sum_b G_b Q_b the gradient w.r.t. s_j is q_j (G_b(j) - C): on a tail
 column alpha1 q_j + alpha2 q_j / Q_t (kl: alpha1 = P_D + P_t, alpha2 = -P_t; jsd: alpha1 =
 (1 - beta) log(Q_t / M_t) - C, alpha2 = 0), one exponential a column (the two terms share
 exp((z_j - r) / T), their coefficients folded into one exponent offset); at an id its own
 value (kl: (P_D + P_t) q_d - P_d; jsd: q_d ((1 - beta) log(Q_d / M_d) - C)), times kd_a / T,
-stored over the dense value after a barrier, as kernels/kd.py does.
+stored over the dense value: by tail_ids_kernel (a launch of its own, as kd_ids_kernel) after
+the fused forward + gradient, after a barrier in the backward kernel.
 
 Kernels take (inputs..., scalars..., outputs..., CONSTEXPRS). Imports triton only.
 """
@@ -40,12 +43,16 @@ import triton
 import triton.language as tl
 
 from jax_fusedloss._validate import inverse_temperature
-from jax_fusedloss.kernels._ce_core import ce_coefs, ce_row_finish, load_z
+from jax_fusedloss.kernels import launch
+from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, load_raw, load_z,
+                                            merge_scaled, to_z)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, lse_parts,
-                                           poison_inf, safe_max, span_ptr, vector_span)
+                                           merge_stats, poison_inf, safe_max, span_ptr,
+                                           vector_span)
 from jax_fusedloss.kernels.kd import DUP_CHUNK, _entries, _gather, _row_state
-from jax_fusedloss.kernels.launch import (FWD_TILE_ELEMS, GRAD_TILE_ELEMS, _tile, row_config,
-                                          vocab_align)
+from jax_fusedloss.kernels.kd import _write_dense as _kd_write_dense
+from jax_fusedloss.kernels.launch import (FWD_TILE_ELEMS, GRAD_TILE_ELEMS, KD_IDS_WARPS,
+                                          _tile, row_config, vocab_align)
 from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 
 # float32 [N, TAIL_FIELDS] = (lse(z), lgS, lgS_t, ce_a, kd_a, r, lg_x, alpha1, alpha2, C), as
@@ -54,6 +61,14 @@ from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 TAIL_FIELDS = tl.constexpr(10)
 NO_ID = tl.constexpr(2**31 - 1)  # the sorted ids' padding: past every column
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+IDS_WINDOW = tl.constexpr(8)  # sorted ids a span tile reads at once (_tile_ids)
+# Whole tiles tail_fwd_kernel's walk keeps in registers for its gradient pass (as
+# launch.KD_KEEP_VOCAB; rows of one exponential a logit only): none. Kept tiles spill (Triton
+# 3.9 for sm_90, bf16 V=128256, 32 warps, i.e. at most 64 registers a thread: 24 bytes of
+# stack at KEEP=1, 72 at KEEP=2), while the prefetch instead takes 48 registers and no stack
+# (launch.PREFETCH_MIN_VOCAB). Unmeasured on a GPU: {2: (120_000, 1 << 62)} keeps one tile
+# from V=120000 for an A/B.
+TAIL_KEEP_VOCAB = {}
 
 
 @triton.jit
@@ -99,69 +114,163 @@ def _duplicates(ids_ptr, lp_ptr, row, V, K, active, ids, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _fold(m, acc_t, acc_x, acc_z, z, keep, mask, c_kd, DISTILL: tl.constexpr,
-          SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
-    """One online step over a tile z (float32, -inf at masked lanes) with a block max: the
-    tail sum acc_t of exp((z - m) / T) over the `keep` lanes, (DISTILL) acc_x of exp(z - m)
-    over every lane (the same exponential at T = 1: SHARE_EXP) and (HAS_SMOOTHING) sum z."""
-    m_new = tl.maximum(m, tl.max(z, axis=0))
-    ms = safe_max(m_new)
-    d = z - ms
-    alpha = tl.minimum(tl.math.exp2((m - ms) * c_kd), FLT_MAX)
-    e = tl.math.exp2(d * c_kd)
-    acc_t = acc_t * alpha + tl.where(keep, e, 0.0)
-    if DISTILL:
-        if SHARE_EXP:
-            acc_x = acc_x * alpha + e
-        else:
-            acc_x = acc_x * tl.minimum(tl.exp(m - ms), FLT_MAX) + tl.exp(d)
-    if HAS_SMOOTHING:
-        acc_z += tl.where(mask, z, 0.0)
-    return m_new, acc_t, acc_x, acc_z
+def _tile_ids(sid_row, a, NS, c0, T: tl.constexpr, VEC: tl.constexpr):
+    """(bits, a): the teacher ids among the columns c0 + [0, T * VEC) of a span tile as [T]
+    int32 (bit v of bits[j]: column c0 + j * VEC + v, one thread row of the tile), from the
+    row's sorted ids sid_row[a:NS], and the index of the first id at or past the tile's end.
+    The ids are read IDS_WINDOW at a time (uniform scalar loads, L1 hits), each tested against
+    the tile's thread rows (a compare, a select and an or a thread row, none a column); a
+    window filled with ids of the tile reads the next one."""
+    rows = tl.arange(0, T)
+    end = c0 + T * VEC
+    bits = tl.zeros([T], tl.int32)
+    go = tl.full([], 1, tl.int1)
+    while go:
+        n_in = tl.zeros([], tl.int32)
+        for w in tl.static_range(IDS_WINDOW):
+            sv = tl.load(sid_row + a + w, mask=a + w < NS, other=NO_ID)
+            inside = (sv >= c0) & (sv < end)
+            rel = tl.where(inside, sv - c0, 0)
+            bits |= tl.where(rows == rel // VEC, tl.where(inside, 1 << (rel % VEC), 0), 0)
+            n_in += (sv < end).to(tl.int32)
+        a += n_in
+        go = n_in == IDS_WINDOW
+    return bits, a
 
 
 @triton.jit
-def _tail_walk(x_ptr, row_off, V, sid_row, nxt, idv, softcap, c_kd, BLOCK_V: tl.constexpr,
-               ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr,
-               SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, EVICTION: tl.constexpr):
-    """One walk over a row: (m, S_t, s_x, sum z) with m the max of z, S_t = sum over the
-    columns not in the ids of exp((z - m) / T), s_x = sum exp(z - m) (DISTILL), both relative
-    to safe_max(m). `sid_row`: the row's sorted valid ids (NO_ID after them), `nxt` the first;
-    `idv` the ids ([BLOCK_K], -1 where not valid) for the edge tile."""
+def _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL: tl.constexpr,
+          SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr,
+          AXIS: tl.constexpr):
+    """One online step over a tile z (float32, -inf at masked lanes), reduced along AXIS as
+    _ce_core._fold (1: per-thread statistics of a [T, VEC] tile): s_kd = sum exp((z - m) / T)
+    over every column, s_t the same over the columns not `member` (not a teacher id; the
+    same exponentials), (DISTILL) s_x = sum exp(z - m) (s_kd itself at T = 1: SHARE_EXP, not
+    summed here) and (HAS_SMOOTHING) sum z."""
+    m_new = tl.maximum(m, tl.max(z, axis=AXIS))
+    ms = safe_max(m_new)
+    if AXIS == 1:
+        d = z - ms[:, None]
+    else:
+        d = z - ms
+    alpha = tl.minimum(tl.math.exp2((m - ms) * c_kd), FLT_MAX)
+    e = tl.math.exp2(d * c_kd)
+    s_kd = s_kd * alpha + tl.sum(e, axis=AXIS)
+    s_t = s_t * alpha + tl.sum(tl.where(member, 0.0, e), axis=AXIS)
+    if DISTILL:
+        if not SHARE_EXP:
+            s_x = s_x * tl.minimum(tl.exp(m - ms), FLT_MAX) + tl.sum(tl.exp(d), axis=AXIS)
+    if HAS_SMOOTHING:
+        sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=AXIS)
+    return m_new, s_kd, s_t, s_x, sumz
+
+
+@triton.jit
+def _tile_fold(m, s_kd, s_t, s_x, sumz, x, mask, sid_row, a, NS, c0, softcap, c_kd,
+               HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr, SHARE_EXP: tl.constexpr,
+               HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
+    """_fold of a [T, VEC] tile x of raw logits at columns c0 + [0, T * VEC), its teacher ids
+    found by _tile_ids; returns the statistics and the sorted ids' next index."""
+    T: tl.constexpr = x.shape[0]
+    VEC: tl.constexpr = x.shape[1]
+    bits, a = _tile_ids(sid_row, a, NS, c0, T, VEC)
+    member = ((bits[:, None] >> tl.arange(0, VEC)[None, :]) & 1) != 0
+    z, _ = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
+    m, s_kd, s_t, s_x, sumz = _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL,
+                                    SHARE_EXP, HAS_SMOOTHING, MASKED, 1)
+    return m, s_kd, s_t, s_x, sumz, a
+
+
+@triton.jit
+def _tail_stats(x_ptr, row_off, V, sid_row, NS, idv, softcap, inv_temp, BLOCK_V: tl.constexpr,
+                ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr,
+                SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, EVICTION: tl.constexpr,
+                PREFETCH: tl.constexpr, KEEP: tl.constexpr):
+    """One walk over a row, as _ce_core.slice_stats' (the aligned tile walk, per-thread
+    statistics merged once at the end, PREFETCH and KEEP as there): (m, S, S_t, s_x, sum z,
+    kept0, kept1) with m the max of z, S = sum exp((z - m) / T), S_t the same over the
+    columns that are not teacher ids (`sid_row`: the row's valid ids sorted, NO_ID past
+    them, NS entries to read; `idv` the ids, -1 where not valid, for the edge tile), s_x =
+    sum exp(z - m) (DISTILL; S at T = 1), all relative to safe_max(m). S and S_t take one
+    exponential a column and one reduction order, so a row without ids has S_t == S."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    c_kd = inv_temp * LOG2E
     m = tl.full([], float("-inf"), tl.float32)
-    acc_t = tl.zeros([BLOCK_V], tl.float32)
-    acc_x = tl.zeros([BLOCK_V], tl.float32)
-    acc_z = tl.zeros([BLOCK_V], tl.float32)
+    s_kd = tl.zeros([], tl.float32)
+    s_t = tl.zeros([], tl.float32)
+    s_x = tl.zeros([], tl.float32)
+    sumz = tl.zeros([], tl.float32)
     k0, k1, lo = vector_span(row_off, 0, V, ALIGN, VEC)
     if ALIGN < VEC:
         cols, in_edge = edge_tile(0, V, lo, k1, VEC)
-        ze, _dze = load_z(x_ptr + row_off, cols, in_edge, softcap, HAS_SOFTCAP, EVICTION, True)
-        hit = tl.max(tl.where(cols[:, None] == idv[None, :], 1, 0), axis=1)
-        e_t = tl.zeros([2 * VEC], tl.float32)
-        e_x = tl.zeros([2 * VEC], tl.float32)
-        e_z = tl.zeros([2 * VEC], tl.float32)
-        m, e_t, e_x, e_z = _fold(m, e_t, e_x, e_z, ze, in_edge & (hit == 0), in_edge, c_kd,
-                                 DISTILL, SHARE_EXP, HAS_SMOOTHING)
-        first = tl.arange(0, BLOCK_V) == 0
-        acc_t = tl.where(first, tl.sum(e_t, axis=0), 0.0)
-        acc_x = tl.where(first, tl.sum(e_x, axis=0), 0.0)
-        acc_z = tl.where(first, tl.sum(e_z, axis=0), 0.0)
+        ze, _ = load_z(x_ptr + row_off, cols, in_edge, softcap, HAS_SOFTCAP, EVICTION, True)
+        hit = tl.max(tl.where(cols[:, None] == idv[None, :], 1, 0), axis=1) != 0
+        m, s_kd, s_t, s_x, sumz = _fold(m, s_kd, s_t, s_x, sumz, ze, hit, in_edge, c_kd,
+                                        DISTILL, SHARE_EXP, HAS_SMOOTHING, True, 0)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
-    a = tl.zeros([], tl.int32)
-    for k in range(k0, k1, BLOCK_V):
-        t = k + tl.arange(0, BLOCK_V)
-        mask = t < k1
-        z, _dz = load_z(base, t, mask, softcap, HAS_SOFTCAP, EVICTION, True)
-        keep = mask
-        tile_end = lo + k + BLOCK_V
-        while nxt < tile_end:  # the ids in this tile (earlier ones: the edge's, no-ops)
-            keep = keep & ((lo + t) != nxt)
-            a += 1
-            nxt = tl.load(sid_row + a)
-        m, acc_t, acc_x, acc_z = _fold(m, acc_t, acc_x, acc_z, z, keep, mask, c_kd, DISTILL,
-                                       SHARE_EXP, HAS_SMOOTHING)
-    return m, tl.sum(acc_t, axis=0), tl.sum(acc_x, axis=0), tl.sum(acc_z, axis=0)
+    T: tl.constexpr = BLOCK_V // VEC  # per-thread statistics, the edge tile's in thread row 0
+    rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    first = tl.arange(0, T) == 0
+    m = tl.where(first, m, float("-inf"))
+    s_kd = tl.where(first, s_kd, 0.0)
+    s_t = tl.where(first, s_t, 0.0)
+    s_x = tl.where(first, s_x, 0.0)
+    sumz = tl.where(first, sumz, 0.0)
+    n_full = (k1 - k0) // BLOCK_V
+    a = tl.zeros([], tl.int32)  # the sorted ids before it lie before the next tile
+    kept0 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
+    kept1 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
+    if KEEP >= 1:
+        kept0 = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, "evict_first", True)
+        m, s_kd, s_t, s_x, sumz, a0 = _tile_fold(m, s_kd, s_t, s_x, sumz, kept0,
+                                                 rr < n_full * BLOCK_V, sid_row, a, NS, lo + k0,
+                                                 softcap, c_kd, HAS_SOFTCAP, DISTILL, SHARE_EXP,
+                                                 HAS_SMOOTHING, True)
+        a = tl.where(n_full >= 1, a0, a)  # a partial tile is the last loop's
+    if KEEP >= 2:
+        kept1 = load_raw(base, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, "evict_first",
+                         True)
+        m, s_kd, s_t, s_x, sumz, a1 = _tile_fold(m, s_kd, s_t, s_x, sumz, kept1,
+                                                 rr < (n_full - 1) * BLOCK_V, sid_row, a, NS,
+                                                 lo + k0 + BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
+                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
+        a = tl.where(n_full >= 2, a1, a)
+    if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
+        x_next = load_raw(base, k0 + KEEP * BLOCK_V + rr, rr < (n_full - KEEP) * BLOCK_V,
+                          EVICTION, True)
+        for i in range(KEEP, n_full):
+            x = x_next
+            x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
+                              rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
+            m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0,
+                                                    sid_row, a, NS, lo + k0 + i * BLOCK_V,
+                                                    softcap, c_kd, HAS_SOFTCAP, DISTILL,
+                                                    SHARE_EXP, HAS_SMOOTHING, False)
+    else:
+        for i in range(KEEP, n_full):
+            x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
+            m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0,
+                                                    sid_row, a, NS, lo + k0 + i * BLOCK_V,
+                                                    softcap, c_kd, HAS_SOFTCAP, DISTILL,
+                                                    SHARE_EXP, HAS_SMOOTHING, False)
+    for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
+        t = k + rr
+        x = load_raw(base, t, t < k1, EVICTION, True)
+        m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, t < k1, sid_row, a,
+                                                NS, lo + k, softcap, c_kd, HAS_SOFTCAP, DISTILL,
+                                                SHARE_EXP, HAS_SMOOTHING, True)
+    m_t = m
+    m = tl.max(m_t, axis=0)
+    s_all = merge_scaled(m_t, s_kd, m, inv_temp)
+    s_t = merge_scaled(m_t, s_t, m, inv_temp)
+    if DISTILL:
+        if SHARE_EXP:
+            s_x = s_all
+        else:
+            _, s_x = merge_stats(m_t, s_x)
+    else:
+        s_x = tl.sum(s_x, axis=0)  # 0, as a scalar
+    return m, s_all, s_t, s_x, tl.sum(sumz, axis=0), kept0, kept1
 
 
 @triton.jit
@@ -278,11 +387,14 @@ def tail_fwd_kernel(
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     DISTILL: tl.constexpr, JSD: tl.constexpr, SHARE_EXP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr,
+    WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
 ):
-    """Grid (N,): a row's loss and statistics from one walk over its vocabulary; with
-    WRITE_GRAD also the unit-cotangent gradient (a second walk, the row's lines kept in L2
-    by the first's evict_last), its id and label columns stored after a barrier."""
+    """Grid (N,): a row's loss and statistics from one walk over its vocabulary (_tail_stats,
+    per-thread as kd_fwd_kernel's, PREFETCH and KEEP as there); with WRITE_GRAD also the dense
+    part of the unit-cotangent gradient (kernels/kd.py's _write_dense, the row's lines kept
+    in L2 by the walk's evict_last, its first KEEP tiles in registers). The logits at the ids
+    are gathered before the walk (their latency hidden by it); the id and label columns of
+    the gradient are tail_ids_kernel's (a launch of its own, as kd_ids_kernel)."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -290,23 +402,18 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
-    sid_row = sid_ptr + row * (K + 1)
-    nxt = tl.where(active, tl.load(sid_row), NO_ID)
-    c_kd = inv_temp * LOG2E
-    m, s_t, s_x, sumz = _tail_walk(logits_ptr, row * stride_row, V, sid_row, nxt,
-                                   tl.where(valid, ids, -1), softcap, c_kd, BLOCK_V, ALIGN,
-                                   HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING,
-                                   "evict_last" if WRITE_GRAD else "")
+    m, s_all, s_t, s_x, sumz, kept0, kept1 = _tail_stats(
+        logits_ptr, row * stride_row, V, sid_ptr + row * (K + 1), tl.where(active, K + 1, 0),
+        tl.where(valid, ids, -1), softcap, inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL,
+        SHARE_EXP, HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP)
     r = safe_max(m)
-    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
                                        K_CHUNK)
     first = valid & (before == 0.0)
-    d_k = (zk - r) * inv_temp
-    s_all = s_t + tl.sum(tl.where(first, tl.math.exp2(d_k * LOG2E), 0.0), axis=0)
     lgS = _log(s_all)
     lgS_t = _log(s_t)
-    lQ = d_k - lgS
+    lQ = (zk - r) * inv_temp - lgS
     lP = tl.where(count > 1.0, _log(sum_p), lp)
     P = tl.sum(p, axis=0)
     covers = tl.sum(tl.where(first, 1, 0), axis=0) >= V
@@ -333,15 +440,14 @@ def tail_fwd_kernel(
     lse_x = poison_inf(lse_x)
     lg_x = _log(s_x)
     a = 0.0
-    b = 0.0
     c = 0.0
     if DISTILL:
         in_range = (label >= 0) & (label < V)
         zy, _ = load_z(x_row, tl.where(in_range, label, 0), in_range, softcap, HAS_SOFTCAP,
                        "", True)
-        ce, a, b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
-                                    smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
-                                    HAS_ZLOSS)
+        ce, a, _b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
+                                     smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
+                                     HAS_ZLOSS)
         loss += ce_a * ce
     tl.store(loss_ptr + row, loss)
     out = stats_ptr + row * TAIL_FIELDS
@@ -356,15 +462,87 @@ def tail_fwd_kernel(
     tl.store(out + 8, a2)
     tl.store(out + 9, C)
     if WRITE_GRAD:
-        off_s, sgn_s, off_x, sgn_x = _dense_offsets(lgS, lgS_t, lg_x, a1, a2, kd_a, a, inv_temp)
+        # the tail columns' kd_a / T (a1 q + a2 q / Q_t) as kd's coef_s softmax(s), coef_s =
+        # u / T relative to exp(ref) (_dense_offsets' choice of reference)
+        u = tl.where(a2 == 0.0, kd_a * a1, kd_a * (a1 * tl.exp(lgS_t - lgS) + a2))
+        ref = tl.where(a2 == 0.0, lgS, lgS_t)
+        _kd_write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x,
+                        tl.where(u == 0.0, 0.0, ref), 1.0, a, c, u, inv_temp, softcap, 0, V,
+                        kept0, kept1, "evict_first", BLOCK_V, ALIGN, True, DISTILL, True,
+                        HAS_SOFTCAP, HAS_SMOOTHING, KEEP)
+
+
+@triton.jit
+def _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, inv_temp,
+               DISTILL: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+    """What the gradient of a row needs from its statistics: (label, active, lgS, lg_x, a1, C,
+    kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b, c)."""
+    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    st = stats_ptr + row * TAIL_FIELDS
+    lse_x, lgS, lgS_t, ce_a, kd_a = (tl.load(st), tl.load(st + 1), tl.load(st + 2),
+                                     tl.load(st + 3), tl.load(st + 4))
+    r, lg_x, a1, a2, C = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7), tl.load(st + 8),
+                          tl.load(st + 9))
+    a = 0.0
+    b = 0.0
+    c = 0.0
+    if DISTILL:
+        a, b, c = ce_coefs(lse_x, V, smoothing, z_loss, bad, ce_a, HAS_ZLOSS)
+    off_s, sgn_s, off_x, sgn_x = _dense_offsets(lgS, lgS_t, lg_x, a1, a2, kd_a, a, inv_temp)
+    return (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b, c)
+
+
+@triton.jit
+def tail_ids_kernel(
+    # pointers: logits [N, V], ids / logprobs [N, K], labels [N], tail_fwd_kernel's stats
+    # [N, TAIL_FIELDS] and grad [N, V] (aliased to the output)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_in_ptr,
+    # sizes, strides, options
+    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
+    # outputs (in place)
+    grad_ptr,
+    # constexprs
+    BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Grid (N,), after tail_fwd_kernel with WRITE_GRAD, in place: the gradient's id and label
+    columns over its dense part (many small programs per SM overlap the gathers and the
+    scattered stores that stalled the row walk's one program per SM: kd_ids_kernel)."""
+    V = hint_multiple(V, ALIGN)
+    stride_row = hint_multiple(stride_row, ALIGN)
+    row = tl.program_id(0).to(tl.int64)
+    _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
+              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
+              log_1mb, 0, V, BLOCK_K, K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING,
+              HAS_ZLOSS, False, 0, 0)
+
+
+@triton.jit
+def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
+              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
+              log_1mb, start, stop, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+              DISTILL: tl.constexpr, JSD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, DENSE: tl.constexpr,
+              BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
+    """The gradient of columns [start, stop) of a row from its statistics: (DENSE) the dense
+    part, then, after a barrier, the id and label columns (without DENSE: only those)."""
+    (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b,
+     c) = _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, inv_temp,
+                     DISTILL, HAS_ZLOSS)
+    if DENSE:
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, off_s, sgn_s, off_x,
-                     sgn_x, c, inv_temp, softcap, 0, V, "evict_first", BLOCK_V, ALIGN, DISTILL,
+                     sgn_x, c, inv_temp, softcap, start, stop, "", BLOCK_V, ALIGN, DISTILL,
                      HAS_SOFTCAP, HAS_SMOOTHING)
         tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
-        _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label,
-                   ids, valid, lp, zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x,
-                   sgn_x, a, b, c, inv_temp, beta, log_b, log_1mb, softcap, 0, V, BLOCK_K,
-                   K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING)
+    x_row = logits_ptr + row * stride_row
+    ids, valid, lp, _p = _entries(ids_ptr, logprobs_ptr, row, V, K, active,
+                                  tl.arange(0, BLOCK_K))
+    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
+               valid, lp, zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b,
+               c, inv_temp, beta, log_b, log_1mb, softcap, start, stop, BLOCK_K, K_CHUNK,
+               DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING)
 
 
 @triton.jit
@@ -388,31 +566,10 @@ def tail_bwd_kernel(
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
-    stop = tl.minimum(start + SPLIT_V, V)
-    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
-    st = stats_ptr + row * TAIL_FIELDS
-    lse_x, lgS, lgS_t, ce_a, kd_a = (tl.load(st), tl.load(st + 1), tl.load(st + 2),
-                                     tl.load(st + 3), tl.load(st + 4))
-    r, lg_x, a1, a2, C = (tl.load(st + 5), tl.load(st + 6), tl.load(st + 7), tl.load(st + 8),
-                          tl.load(st + 9))
-    a = 0.0
-    b = 0.0
-    c = 0.0
-    if DISTILL:
-        a, b, c = ce_coefs(lse_x, V, smoothing, z_loss, bad, ce_a, HAS_ZLOSS)
-    off_s, sgn_s, off_x, sgn_x = _dense_offsets(lgS, lgS_t, lg_x, a1, a2, kd_a, a, inv_temp)
-    _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, off_s, sgn_s, off_x, sgn_x,
-                 c, inv_temp, softcap, start, stop, "", BLOCK_V, ALIGN, DISTILL, HAS_SOFTCAP,
-                 HAS_SMOOTHING)
-    tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
-    x_row = logits_ptr + row * stride_row
-    ids, valid, lp, _p = _entries(ids_ptr, logprobs_ptr, row, V, K, active,
-                                  tl.arange(0, BLOCK_K))
-    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
-    _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
-               valid, lp, zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b,
-               c, inv_temp, beta, log_b, log_1mb, softcap, start, stop, BLOCK_K, K_CHUNK,
-               DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING)
+    _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
+              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
+              log_1mb, start, tl.minimum(start + SPLIT_V, V), BLOCK_K, K_CHUNK, DISTILL, JSD,
+              HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True, BLOCK_V, ALIGN)
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -435,24 +592,39 @@ def _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, be
 
 def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence: str,
                   beta: float, distill: bool, ignore_index: int, write_grad: bool,
-                  smoothing: float = 0.0, z_loss: float = 0.0,
-                  softcap: float | None = None) -> Plan:
+                  smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
+                  num_sms: int = launch.DEFAULT_NUM_SMS, itemsize: int = 0) -> Plan:
     """x, ids, lp, y, row_scale [N, 2], sid [N, K + 1] -> loss, stats [N, TAIL_FIELDS] (and
     grad, the unit-cotangent gradient, with write_grad): one program per row walks its
-    vocabulary once for the statistics and, with write_grad, once more for the gradient
-    (16384-element tiles, 32 warps, as the other fused row walks: launch.GRAD_TILE_ELEMS;
-    4096 and 8 warps without the gradient)."""
+    vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
+    with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
+    TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
+    exponential a logit; few rows take the same walk, one program a row); then
+    tail_ids_kernel writes the id and label columns."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
-    block_v, warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
+    share = temperature == 1.0
+    exps = 1 if share or not distill else 2
+    keep = launch.keep_tiles(vocab, itemsize, softcap, TAIL_KEEP_VOCAB) if exps == 1 else 0
+    cfg = row_config(n, vocab, num_sms, write_grad, keep)
+    block_v, warps, prefetch, keep = cfg.block_v, cfg.num_warps, cfg.prefetch, cfg.keep
+    if cfg.num_splits > 1:  # few rows: still one program a row (no split statistics here)
+        block_v, warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
+        prefetch, keep = False, 0
     grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
-    launch = Launch(
-        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "sid"),
-        _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta),
+    scalars = _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta)
+    align = vocab_align(vocab)
+    launches = [Launch(
+        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "sid"), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad),
         warps,
-        dict(BLOCK_V=block_v, SHARE_EXP=temperature == 1.0, WRITE_GRAD=write_grad,
-             ALIGN=vocab_align(vocab), **flags))
-    return Plan((launch,), ("loss", "stats") + (("grad",) if write_grad else ()))
+        dict(BLOCK_V=block_v, SHARE_EXP=share, WRITE_GRAD=write_grad, ALIGN=align,
+             PREFETCH=prefetch and write_grad, KEEP=keep if write_grad else 0, **flags))]
+    if write_grad:
+        launches.append(Launch(
+            tail_ids_kernel, (n,), ("x", "ids", "lp", "y", "stats", "grad"), scalars,
+            (Buf("grad", (n, vocab), LOGITS),), KD_IDS_WARPS, dict(ALIGN=align, **flags),
+            aliases=((5, 0),)))
+    return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
 
 
 def tail_bwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence: str,
