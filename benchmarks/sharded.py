@@ -31,13 +31,13 @@ import csv
 import datetime
 import os
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+from benchmarks import timing
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,14 +56,13 @@ def comm_bytes(hlo: str) -> int:
     return total
 
 
-def time_ms(f, *args, reps: int = 20) -> float:
-    jax.block_until_ready(f(*args))
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+def time_ms(f, *args) -> float:
+    """Steady-state ms per call of a jitted step called in a loop (benchmarks.timing.time_jax:
+    the fixed cost of a run, the first dispatch and the host's wake-up, cancels). Until the
+    twelfth session each sample was one call ended by block_until_ready, which kept that cost
+    (~0.3-0.8 ms) in every row: it inflated the few-ms distillation rows, not the LM head's."""
+    out_bytes = sum(a.nbytes for a in jax.tree.leaves(args))
+    return timing.time_jax(lambda: f(*args), 1, out_bytes).median_ms
 
 
 def losses():
