@@ -243,18 +243,34 @@ def _torch_dtype(dtype):
             np.dtype(np.int64): torch.int64}[np.dtype(dtype)]
 
 
+# In the interpreter, fresh output buffers are filled with this value (floats; integers get
+# INT_POISON) instead of whatever memory held: a kernel that leaves an output element unwritten
+# then shows as NaN in the results (tests/test_poisoned_outputs.py). None: torch.empty, as the
+# GPU, whose fresh buffers hold stale data.
+POISON: float | None = None
+INT_POISON = -(1 << 30)
+
+
+def _fresh(s):
+    import torch
+
+    t = torch.empty(s.shape, dtype=_torch_dtype(s.dtype))
+    if POISON is not None:
+        t.fill_(POISON if t.is_floating_point() else INT_POISON)
+    return t
+
+
 def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
     """The kernel through Triton's interpreter in a `buffer_callback`, which reads each
     device's buffers in place: `pure_callback` first puts its arguments on CPU device 0, and
     inside shard_map on 4 CPU devices the other devices' callbacks waited for those transfers
     while device 0 waited for them at the next psum (a deadlock from 128 KiB inputs on)."""
-    import torch
     from jax.experimental.buffer_callback import buffer_callback
 
     def host(_ctx, outs, *arrays):
         with _INTERPRET_LOCK:
             ins = [_to_torch(np.asarray(a)) for a in arrays]
-            results = [torch.empty(s.shape, dtype=_torch_dtype(s.dtype)) for s in out_shapes]
+            results = [_fresh(s) for s in out_shapes]
             for i, o in aliases.items():  # written in place, as on the GPU: `ins` are copies
                 results[o] = ins[i]
             kernel[grid](*ins, *scalars, *results, **constexprs)
