@@ -51,6 +51,18 @@ POWER_TEMPERATURES = (2.0, 3.0, 4.0)
 
 
 @triton.jit
+def distill_ce(x_row, label, V, lse_x, lse_lo, sumz, smoothing, z_loss, active, bad, ce_a,
+               softcap, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               HAS_ZLOSS: tl.constexpr):
+    """distill_loss's cross-entropy term of a row from its walk's statistics: ce_row_finish's
+    (loss, a, b, c), z[y] read from the row at x_row (a label outside [0, V) reads nothing)."""
+    in_range = (label >= 0) & (label < V)
+    zy, _ = load_z(x_row, tl.where(in_range, label, 0), in_range, softcap, HAS_SOFTCAP, "", True)
+    return ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V, smoothing, z_loss,
+                         ~active, bad, ce_a, HAS_SMOOTHING, HAS_ZLOSS)
+
+
+@triton.jit
 def _row_state(labels_ptr, row, V, ignore_index, DISTILL: tl.constexpr):
     """(label, active, bad): active is False for a distill row whose label is ignored."""
     if DISTILL:
@@ -386,12 +398,9 @@ def kd_fwd_kernel(
     b = 0.0
     c = 0.0
     if DISTILL:
-        in_range = (label >= 0) & (label < V)
-        zy, _ = load_z(x_row, tl.where(in_range, label, 0), in_range, softcap, HAS_SOFTCAP,
-                       "", True)
-        ce, a, b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
-                                    smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
-                                    HAS_ZLOSS)
+        ce, a, b, c = distill_ce(x_row, label, V, lse_x, lse_lo, sumz, smoothing, z_loss,
+                                 active, bad, ce_a, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                 HAS_ZLOSS)
         loss += ce_a * ce  # NaN for a bad label even where ce_a is 0
     tl.store(loss_ptr + row, loss)
     out = stats_ptr + row * STATS_FIELDS

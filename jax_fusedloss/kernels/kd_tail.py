@@ -44,12 +44,12 @@ import triton.language as tl
 
 from jax_fusedloss._validate import inverse_temperature
 from jax_fusedloss.kernels import launch
-from jax_fusedloss.kernels._ce_core import (ce_coefs, ce_row_finish, load_raw, load_z,
+from jax_fusedloss.kernels._ce_core import (ce_coefs, load_raw, load_z,
                                             merge_scaled, to_z)
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, lse_parts,
                                            merge_stats, poison_inf, safe_max, span_ptr,
                                            vector_span)
-from jax_fusedloss.kernels.kd import DUP_CHUNK, _entries, _gather, _row_state
+from jax_fusedloss.kernels.kd import DUP_CHUNK, _entries, _gather, _row_state, distill_ce
 from jax_fusedloss.kernels.kd import _write_dense as _kd_write_dense
 from jax_fusedloss.kernels.launch import (FWD_TILE_ELEMS, GRAD_TILE_ELEMS, KD_IDS_WARPS,
                                           _tile, row_config, vocab_align)
@@ -442,12 +442,9 @@ def tail_fwd_kernel(
     a = 0.0
     c = 0.0
     if DISTILL:
-        in_range = (label >= 0) & (label < V)
-        zy, _ = load_z(x_row, tl.where(in_range, label, 0), in_range, softcap, HAS_SOFTCAP,
-                       "", True)
-        ce, a, _b, c = ce_row_finish(lse_x, lse_lo, tl.where(in_range, zy, 0.0), sumz, V,
-                                     smoothing, z_loss, ~active, bad, ce_a, HAS_SMOOTHING,
-                                     HAS_ZLOSS)
+        ce, a, _b, c = distill_ce(x_row, label, V, lse_x, lse_lo, sumz, smoothing, z_loss,
+                                  active, bad, ce_a, softcap, HAS_SOFTCAP, HAS_SMOOTHING,
+                                  HAS_ZLOSS)
         loss += ce_a * ce
     tl.store(loss_ptr + row, loss)
     out = stats_ptr + row * TAIL_FIELDS
