@@ -59,15 +59,6 @@ class _LinearKD(_lm_head.HeadOp):
     def per_row_cotangent(self):
         return self.opts.reduction == "none"
 
-    def lean_dh_in_forward(self):
-        # On GPUs (H100/H200, 2026-11-25) the vocabulary walk fed by the statistics of the
-        # fused Triton KD forward (its one-program-a-row plan, chunks of >= 2 rows per SM)
-        # returned dW = 0 at N=8192, V=128256, K=64, although those statistics match the XLA
-        # rows' on logits; with the forward's statistics-only plan it is right (and on CPU
-        # either way). Root cause open: KD keeps the full recompute (tests/test_linear_kd.py,
-        # test_gpu_real_size, guards it).
-        return False
-
     def bwd_rows(self, aux, stats, cts):
         ids, lp, y, _ = aux
         n = ids.shape[0]

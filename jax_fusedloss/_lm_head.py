@@ -92,11 +92,6 @@ class HeadOp:
         """Whether the outputs' cotangents differ per row (no gradient in the forward)."""
         raise NotImplementedError
 
-    def lean_dh_in_forward(self) -> bool:
-        """Whether "lean" may compute dH in the forward from the fused row function (its
-        statistics then feed the vocabulary walk); False keeps the full recompute."""
-        return True
-
     def bwd_rows(self, aux: tuple, stats: tuple, cts) -> tuple:
         """The `[N, ...]` arrays of the backward row function, cotangents folded in."""
         raise NotImplementedError
@@ -132,8 +127,6 @@ def check_head(hidden, weight, bias, weight_layout: str) -> int:
 def fuses_grad(op: HeadOp, dtype) -> bool:
     """Whether the forward computes gradients for a unit cotangent (all three in "fast" and
     "low_precision", dH alone in "lean"; see the module doc)."""
-    if op.head.mode == "lean" and not op.lean_dh_in_forward():
-        return False
     return not op.per_row_cotangent() and jnp.dtype(dtype) != jnp.float16
 
 

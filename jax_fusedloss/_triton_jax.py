@@ -284,7 +284,7 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
            scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
            num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
            input_output_aliases: dict[int, int] | None = None,
-           maxnreg: int | None = None) -> tuple[jax.Array, ...]:
+           maxnreg: int | None = None, partial_alias: bool = False) -> tuple[jax.Array, ...]:
     """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
@@ -292,14 +292,16 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
     (XLA copies it first if the input is still live); in the interpreter the kernel writes in
     place over the host copy of the input, so read-after-write hazards show there too.
     `maxnreg` caps the registers a thread on the GPU (plan.Launch.maxnreg; the interpreter
-    has none).
+    has none). `partial_alias` (plan.Launch.partial_alias): the kernel writes only part of an
+    aliased output, so on the GPU it takes the legacy custom call, which XLA's dynamic-slice
+    fusion leaves whole.
     """
     check_triton_available()
     constexprs = dict(constexprs or {})
     aliases = dict(input_output_aliases or {})
     scalars = [np.float32(s) if isinstance(s, float) else s for s in scalars]
     if on_cuda_gpu():
-        target = call_target()
+        target = LEGACY_TARGET if partial_alias and aliases else call_target()
         _register_ffi_lowering()
         if maxnreg is not None:
             target = f"{target}{MAXNREG_TAG}{int(maxnreg)}"
@@ -328,7 +330,8 @@ def run_plan(plan, results: Sequence[str] | None = None,
                       out_shapes=[jax.ShapeDtypeStruct(b.shape, dtypes[b.dtype])
                                   for b in step.outputs],
                       num_warps=step.num_warps, constexprs=step.constexprs,
-                      input_output_aliases=dict(step.aliases), maxnreg=step.maxnreg)
+                      input_output_aliases=dict(step.aliases), maxnreg=step.maxnreg,
+                      partial_alias=step.partial_alias)
         env.update((b.name, o) for b, o in zip(step.outputs, outs))
     return tuple(env[name] for name in (plan.results if results is None else results))
 

@@ -25,8 +25,20 @@ def random_logits(seed: int, shape, dtype: str, scale: float = 2.0) -> jax.Array
     return x.astype(DTYPES[dtype])
 
 
-def to_torch(x: jax.Array) -> torch.Tensor:
-    return torch.from_dlpack(jnp.asarray(x)).clone()
+def to_torch(x: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A torch copy of `x` (as `dtype`). The copy runs on torch's stream, so it is finished
+    before the dlpack view goes: once neither framework holds `x`'s memory, JAX's allocator
+    hands it out again, and a copy still queued then reads whatever JAX writes there (on an
+    H100 a reference built from `h[:256]` read another computation's data, and labels taken
+    that way indexed out of bounds; the platform allocator, which synchronises on free, hid
+    it)."""
+    x = jnp.asarray(x)
+    view = torch.from_dlpack(x)
+    t = view.clone() if dtype is None else view.to(dtype, copy=True)
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
+    del view
+    return t
 
 
 def to_numpy(t) -> np.ndarray:

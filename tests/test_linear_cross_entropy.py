@@ -139,7 +139,7 @@ def run_torch(h, w, b, y, wl, wlse, fn, dtype=None, **o):
     for t in ts:
         if t is not None:
             t.requires_grad_(True)
-    yt = torch.from_dlpack(y).long()
+    yt = to_torch(y, torch.long)
     out = fn(ts[0], ts[1], yt, ts[2], **o) if fn is lce_reference_torch else fn(
         ts[0], ts[1], yt, bias=ts[2], return_lse=wlse is not None, **o)
     loss, lse = out if isinstance(out, tuple) else (out, None)

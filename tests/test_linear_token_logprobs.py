@@ -119,7 +119,7 @@ def test_torch_ref_matches_float64(name):
     def run(fn, dtype, **o):
         ts = [None if a is None else to_torch(a).to(dtype).requires_grad_(True)
               for a in (h, w, b)]
-        logp, ent = fn(ts[0], ts[1], torch.from_dlpack(y).long(), ts[2], **o)
+        logp, ent = fn(ts[0], ts[1], to_torch(y, torch.long), ts[2], **o)
         obj = (torch.where(valid, logp, 0.0) * to_torch(cl).to(dtype)).sum() + (
             ent * to_torch(ce).to(dtype)).sum()
         obj.backward()
@@ -273,7 +273,7 @@ def test_gpu_real_size_against_float64(mode):
         ht = to_torch(h[:rows]).double().requires_grad_(True)
         wt = to_torch(w).double().requires_grad_(True)
         lp = torch.log_softmax((ht @ wt) / temp, -1)
-        yt = to_torch(y[:rows]).long()
+        yt = to_torch(y[:rows], torch.long)
         lpy, e = lp.gather(-1, yt[:, None])[:, 0], -(lp.exp() * lp).sum(-1)
         ((lpy * to_torch(cl[:rows]).double()).sum() + (e * to_torch(ce[:rows]).double()).sum()
          ).backward()

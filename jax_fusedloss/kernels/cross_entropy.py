@@ -471,4 +471,5 @@ def scale_rows_plan(n: int, vocab: int, itemsize: int) -> Plan:
     """grad, cot -> grad * cot[:, None], in place (rows with cot == 1 are not touched)."""
     return Plan((Launch(scale_rows_kernel, (n,), ("grad", "cot"), (vocab,),
                         (Buf("scaled", (n, vocab), LOGITS),), 8,
-                        scale_rows_constexprs(vocab, itemsize), aliases=((0, 0),)),), ("scaled",))
+                        scale_rows_constexprs(vocab, itemsize), aliases=((0, 0),),
+                        partial_alias=True),), ("scaled",))

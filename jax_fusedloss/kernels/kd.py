@@ -655,7 +655,7 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
             (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"),
              Buf("grad", (n, vocab), LOGITS)), KD_IDS_WARPS,
             dict(ALIGN=cfg.align, WALK_GATHER=walk_gather, **flags),
-            aliases=((5, 0), (6, 1), (7, 2))))
+            aliases=((5, 0), (6, 1), (7, 2)), partial_alias=True))
     if write_grad and not fused:
         launches.append(kd_bwd_launch(n, vocab, k, scalars, flags, cfg))
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))

@@ -620,7 +620,7 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
         launches.append(Launch(
             tail_ids_kernel, (n,), ("x", "ids", "lp", "y", "stats", "grad"), scalars,
             (Buf("grad", (n, vocab), LOGITS),), KD_IDS_WARPS, dict(ALIGN=align, **flags),
-            aliases=((5, 0),)))
+            aliases=((5, 0),), partial_alias=True))
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
 
 

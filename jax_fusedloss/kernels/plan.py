@@ -48,6 +48,13 @@ class Launch(NamedTuple):
     # both the same where that matters (launch.SPLIT_FUSED_KEPT). A function of the kernel,
     # its constexprs and warps: jax-triton's compile cache does not key on it.
     maxnreg: int | None = None
+    # The kernel writes only part of an aliased output and leaves the rest as the input held
+    # it (in place), so its aliased operand and output must be one buffer. XLA's dynamic-slice
+    # fusion breaks that for typed-FFI custom calls: inside a loop it gave such an output a
+    # slice of the loop's accumulator and left the input in another buffer (H100, jax 0.11.2:
+    # linear KD's "lean" dW came back 0); jax-triton's legacy custom call is not fused there.
+    # The JAX executor sends these launches through the legacy call (_triton_jax.launch).
+    partial_alias: bool = False
 
 
 class Plan(NamedTuple):
