@@ -10,9 +10,8 @@ Default shape N=8192, D=4096, V=128256, K=64, bf16, weight `[V, D]`. Rows:
 - matmuls-floor: the step's three bare matmuls (h W^T, G W, G^T h with G given);
 - naive-{kd,distill}[-tail|-jsd]: logits materialised, full float32 log-softmax, a gather
   (the tail: a second log-sum-exp with the ids at -inf), XLA's autodiff;
-- {kd,distill}-<impl>-<mode>[-tail|-jsd]: ours, implementation "triton" (the KD kernels; the
-  linear tail forms run the XLA rows whatever is asked: implementation None) in each memory
-  mode;
+- {kd,distill}-<impl>-<mode>[-tail|-jsd]: ours, implementation "triton" (the KD kernels,
+  kernels/kd.py and kernels/kd_tail.py) or "xla" (the XLA rows), in each memory mode;
 - logits-kd-{triton,tail,jsd}: kd_loss on `[N, V]` bf16 logits, fwd+bwd, implementation
   "triton" on a GPU (the tail forms: kernels/kd_tail.py), against the copy floor (read the
   logits once, write their gradient once, at the measured copy bandwidth, as
@@ -112,7 +111,6 @@ def _case(name, h, w, y, ids, lp, t):
         loss = _naive(base.split("-")[1], form, y, ids, lp)
         return jax.jit(jax.value_and_grad(loss, (0, 1))), (h, w), None
     fn, impl, mode = base.split("-", 2)
-    impl = None if form else impl
 
     def loss(h, w):
         if fn == "kd":

@@ -54,8 +54,7 @@ def linear_kd_loss(
       weight_layout, mode, chunk_size, vocab_axis: as in `linear_cross_entropy`.
       temperature, normalize, reduction, num_items, tail, divergence, beta, weights, where:
         as in `kd_loss`.
-      implementation: None, "triton" or "xla": the row functions' (the matmuls are XLA's);
-        tail=True runs the XLA rows.
+      implementation: None, "triton" or "xla": the row functions' (the matmuls are XLA's).
 
     Returns:
       The float32 loss (scalar, or `[...]` for "none").

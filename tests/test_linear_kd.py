@@ -117,13 +117,17 @@ def test_triton_interpreter_matches_float64(interpreter, fn, mode):
     compare(got, reference(fn, inputs, **opts), 2e-5, f"triton {fn} {mode}")
 
 
-def test_tail_falls_back_to_xla_and_triton_raises():
-    inputs = make_inputs(n=4, vocab=40)
-    a = run("kd", None, inputs, tail=True)
-    b = run("kd", "xla", inputs, tail=True)
-    assert float(a[0]) == float(b[0])
-    with pytest.raises(NotImplementedError, match="xla"):
-        run("kd", "triton", inputs, tail=True)
+@pytest.mark.parametrize("fn, mode, opts", [
+    ("kd", "fast", dict(tail=True, divergence="jsd", beta=0.3, weighted=True)),
+    ("distill", "lean", dict(alpha=0.4, tail=True, temperature=2.0)),
+    ("kd", "low_precision", dict(tail=True, reduction="none")),
+])
+def test_triton_tail_interpreter_matches_float64(interpreter, fn, mode, opts):
+    """The (K+1)-bucket forms on the Triton tail kernels (kernels/kd_tail.py) in the walks."""
+    layout = "vd" if mode == "lean" else "dv"
+    inputs = make_inputs(n=5, vocab=45, layout=layout)
+    got = run(fn, "triton", inputs, layout, mode=mode, chunk_size=2, **opts)
+    compare(got, reference(fn, inputs, layout, **opts), 2e-5, f"triton tail {fn} {mode}")
 
 
 def test_without_bias_and_bfloat16():
