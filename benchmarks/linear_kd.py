@@ -94,8 +94,9 @@ def _case(name, h, w, y, ids, lp, t):
         from tests.reference.kd_tail_ref import gathered_tokens
 
         opts = FORMS[name[len("logits-naive-kd"):]]
-        fn = jax.value_and_grad(lambda x: jax.numpy.mean(gathered_tokens(x, ids, lp, **opts)))
-        return jax.jit(fn), ((t * 0.5).astype(t.dtype),), 2 * t.nbytes
+        fn = jax.value_and_grad(lambda x, ids, lp: jax.numpy.mean(gathered_tokens(x, ids, lp,
+                                                                                  **opts)))
+        return jax.jit(fn), ((t * 0.5).astype(t.dtype), ids, lp), 2 * t.nbytes
     if name.startswith("logits-kd-"):
         form = name.rsplit("-", 1)[1]
         opts = {"triton": {}, "tail": dict(tail=True),
@@ -103,8 +104,11 @@ def _case(name, h, w, y, ids, lp, t):
         impl = "triton" if jax.default_backend() == "gpu" else None
         if name.startswith("logits-kd-xla-"):
             impl = "xla"
-        fn = jax.value_and_grad(lambda x: jfl.kd_loss(x, ids, lp, implementation=impl, **opts))
-        return jax.jit(fn), ((t * 0.5).astype(t.dtype),), 2 * t.nbytes  # a student unlike t
+        fn = jax.value_and_grad(lambda x, ids, lp: jfl.kd_loss(x, ids, lp, implementation=impl,
+                                                                **opts))
+        # a student unlike t; the teacher's arrays are arguments (as constants XLA would fold
+        # their preparation into the program)
+        return jax.jit(fn), ((t * 0.5).astype(t.dtype), ids, lp), 2 * t.nbytes
     form = "-" + name.split("-")[-1] if name.endswith(("-tail", "-jsd")) else ""
     base = name[:len(name) - len(form)]
     if base.startswith("naive-"):

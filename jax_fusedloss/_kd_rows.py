@@ -187,20 +187,16 @@ def _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp) -> dict[str, _sharding.R
 
 def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
     """Per-row (loss, stats) of the tail forms and, if write_grad, the unit-cotangent gradient:
-    kd_tail.tail_fwd_plan, which takes the row's valid ids sorted (its walk skips their
-    columns in order)."""
+    kd_tail.tail_fwd_plan."""
     from jax_fusedloss.kernels import kd_tail
-
-    pad = jnp.full((ids.shape[0], 1), kd_tail.NO_ID.value, jnp.int32)
-    sid = jnp.concatenate([jnp.sort(jnp.where(ids >= 0, ids, pad), axis=1), pad], axis=1)
 
     def plan(n, vocab):
         return kd_tail.tail_fwd_plan(n, vocab, ids.shape[-1], write_grad=write_grad,
                                      num_sms=_triton_jax.num_sms(), itemsize=x.dtype.itemsize,
                                      **_tail_kernel_options(opts))
 
-    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale", "sid"), x, ids, lp,
-                                y, row_scale, sid)
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
+                                row_scale)
 
 
 def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions):

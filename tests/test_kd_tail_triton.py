@@ -1,11 +1,11 @@
 """The Triton kernels of the tail forms (kernels/kd_tail.py) through the interpreter: kd_loss /
 distill_loss with tail=True, "kl" and "jsd", against the float64 formulas of
 tests/reference/kd_tail_ref.py and the XLA rows (values and gradients), with tiles small
-enough that a row walks several of them (the sorted-id skip across tiles, the unaligned edge
-tile), several ids in one tile, duplicate / masked / out-of-range ids, all-masked rows, a
-teacher top-K summing to 1, a student whose tail mass is ~1e-8 (no cancellation), T != 1,
-float32 / bfloat16 / float16 (float16 recomputes its gradient: the backward kernel) on the
-row and split launch paths."""
+enough that a row walks several of them (the id bitmap across tiles, in the gradient's rows
+or a buffer of its own; the unaligned edge tile), several ids in one tile, duplicate /
+masked / out-of-range ids, all-masked rows, a teacher top-K summing to 1, a student whose
+tail mass is ~1e-8 (no cancellation), T != 1, float32 / bfloat16 / float16 (float16
+recomputes its gradient: the backward kernel) on the row and split launch paths."""
 from __future__ import annotations
 
 import jax
@@ -56,18 +56,23 @@ def _tile_inputs(vocab, dtype, k=6):
 TOL = {"float32": (2e-5, 2e-6), "bfloat16": (1e-2, 1e-5), "float16": (2e-3, 1e-6)}
 
 
-@pytest.mark.parametrize("fn, divergence, dtype, vocab, path", [
-    ("kd", "jsd", "bfloat16", 37, "rows"),
-    ("distill", "kl", "bfloat16", 48, "rows"),
-    ("kd", "kl", "float16", 37, "split"),
-    ("distill", "jsd", "float16", 40, "rows"),
+@pytest.mark.parametrize("fn, divergence, dtype, vocab, path, reduction", [
+    ("kd", "jsd", "bfloat16", 37, "rows", "none"),
+    ("distill", "kl", "bfloat16", 48, "rows", "none"),
+    ("kd", "kl", "float16", 37, "split", "none"),
+    ("distill", "jsd", "float16", 40, "rows", "none"),
+    ("kd", "kl", "bfloat16", 37, "rows", "sum"),
+    ("distill", "jsd", "bfloat16", 45, "split", "sum"),
 ])
-def test_tile_walk(monkeypatch, fn, divergence, dtype, vocab, path):
+def test_tile_walk(monkeypatch, fn, divergence, dtype, vocab, path, reduction):
+    """Rows of several 16-column tiles. Reduction "none" (per-row cotangents): the statistics-
+    only forward, its id bitmaps in a buffer of their own, and float16 recomputes (the
+    backward kernel); "sum" in bfloat16: the fused forward + gradient, the bitmaps in the
+    gradient's rows (odd V: each row's bitmap starts at its own 4-byte boundary)."""
     _small_tiles(monkeypatch)
     force_path(path, monkeypatch)
     inputs = _tile_inputs(vocab, jnp.dtype(dtype))
-    # reduction "none": per-row cotangents, so float16 recomputes (the backward kernel)
-    opts = dict(tail=True, divergence=divergence, temperature=1.5, reduction="none")
+    opts = dict(tail=True, divergence=divergence, temperature=1.5, reduction=reduction)
     if fn == "distill":
         opts.update(alpha=0.4, label_smoothing=0.1)
     rtol, atol = TOL[dtype]
@@ -80,7 +85,7 @@ def test_tile_walk(monkeypatch, fn, divergence, dtype, vocab, path):
                x, y, ids, lp, mask, implementation=impl, **opts)}[fn]
     got, want = (jax.vjp(lambda x: run(x, impl), x) for impl in ("triton", "xla"))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4, atol=1e-5)
-    cot = jnp.linspace(0.5, 2.0, x.shape[0])
+    cot = jnp.linspace(0.5, 2.0, x.shape[0]) if reduction == "none" else jnp.float32(1.0)
     g, r = (np.asarray(v[1](cot)[0], np.float32) for v in (got, want))
     np.testing.assert_allclose(g, r, rtol=rtol, atol=atol + rtol * np.abs(r).max())
 

@@ -19,13 +19,13 @@ either forward's statistics.
 Q_t without cancellation: the row walk (_tail_stats, _ce_core.slice_stats' per-thread walk
 with its prefetch and kept tiles) sums exp((z_j - r) / T) over every column (S) and, with the
 same exponentials, over the tail columns only (S_t, the ids' columns masked out; r the max
-of z). The mask costs no per-column search and no loop trip per id: the launcher passes the
-row's valid ids sorted ascending (`sid`, int32 [N, K + 1], 2**31 - 1 past the valid ones and
-in the last column); the walk visits its 16-byte aligned tiles in column order and reads the
-ids of each tile IDS_WINDOW at a time from where the last tile stopped, setting one bit a
-column in a [T] int32 word per thread row of the tile (_tile_ids: 3 operations a thread row
-and id read, about (K + IDS_WINDOW * tiles) of them a row). The edge tile of an unaligned
-row (at most 2 * VEC - 2 columns) compares against every id.
+of z). The mask is a bitmap of the row's columns (one bit a column of the aligned span)
+that the row's program builds before its walk (_mark_ids: zero it, one atomic or an id,
+a barrier each) and reads back one byte a thread row of each tile (_tile_member): no
+per-column search, no sorted ids. The bitmap lives in the row's own gradient buffer, which
+the dense gradient pass overwrites after a barrier (the fused forward; a separate int32
+[N, ceil(V / 32)] buffer for the statistics-only forward, or rows too short to hold it).
+The edge tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
 
 With G_b = dF/dQ_b and C = sum_b G_b Q_b the gradient w.r.t. s_j is q_j (G_b(j) - C): on a tail
 column alpha1 q_j + alpha2 q_j / Q_t (kl: alpha1 = P_D + P_t, alpha2 = -P_t; jsd: alpha1 =
@@ -59,9 +59,8 @@ from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
 # _xla/kd_tail.py's TAIL_FIELDS: q_j = exp((z_j - r) / T - lgS), q_j / Q_t =
 # exp((z_j - r) / T - lgS_t), softmax(z)_j = exp((z_j - r) - lg_x); the row weights at 3:5.
 TAIL_FIELDS = tl.constexpr(10)
-NO_ID = tl.constexpr(2**31 - 1)  # the sorted ids' padding: past every column
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-IDS_WINDOW = tl.constexpr(8)  # sorted ids a span tile reads at once (_tile_ids)
+BITMAP_ZERO_BLOCK = 1024  # int32 words of the id bitmap _mark_ids zeroes at once
 # Whole tiles tail_fwd_kernel's walk keeps in registers for its gradient pass (as
 # launch.KD_KEEP_VOCAB; rows of one exponential a logit only): none. Kept tiles spill (Triton
 # 3.9 for sm_90, bf16 V=128256, 32 warps, i.e. at most 64 registers a thread: 24 bytes of
@@ -114,28 +113,37 @@ def _duplicates(ids_ptr, lp_ptr, row, V, K, active, ids, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _tile_ids(sid_row, a, NS, c0, T: tl.constexpr, VEC: tl.constexpr):
-    """(bits, a): the teacher ids among the columns c0 + [0, T * VEC) of a span tile as [T]
-    int32 (bit v of bits[j]: column c0 + j * VEC + v, one thread row of the tile), from the
-    row's sorted ids sid_row[a:NS], and the index of the first id at or past the tile's end.
-    The ids are read IDS_WINDOW at a time (uniform scalar loads, L1 hits), each tested against
-    the tile's thread rows (a compare, a select and an or a thread row, none a column); a
-    window filled with ids of the tile reads the next one."""
-    rows = tl.arange(0, T)
-    end = c0 + T * VEC
-    bits = tl.zeros([T], tl.int32)
-    go = tl.full([], 1, tl.int1)
-    while go:
-        n_in = tl.zeros([], tl.int32)
-        for w in tl.static_range(IDS_WINDOW):
-            sv = tl.load(sid_row + a + w, mask=a + w < NS, other=NO_ID)
-            inside = (sv >= c0) & (sv < end)
-            rel = tl.where(inside, sv - c0, 0)
-            bits |= tl.where(rows == rel // VEC, tl.where(inside, 1 << (rel % VEC), 0), 0)
-            n_in += (sv < end).to(tl.int32)
-        a += n_in
-        go = n_in == IDS_WINDOW
-    return bits, a
+def _mark_ids(bitmap, ids, valid, base, span, V, ZERO_BLOCK: tl.constexpr):
+    """Builds the row's id bitmap at `bitmap` (int32 words, 4-byte aligned): bit p set for the
+    valid ids at span position p = id - base in [0, span), every other bit of the
+    ceil(V / 32) words 0. Zero stores, a barrier, one atomic or an id (duplicates and ids
+    sharing a word compose), a barrier: every thread of the program then reads the whole
+    bitmap (CTA-scope ordering of bar.sync)."""
+    words = tl.cdiv(V, 32)
+    for w0 in range(0, words, ZERO_BLOCK):
+        w = w0 + tl.arange(0, ZERO_BLOCK)
+        tl.store(bitmap + w, tl.zeros([ZERO_BLOCK], tl.int32), mask=w < words)
+    tl.debug_barrier()
+    p = ids - base
+    inside = valid & (p >= 0) & (p < span)
+    p = tl.where(inside, p, 0)
+    tl.atomic_or(bitmap + (p >> 5), 1 << (p & 31), mask=inside, sem="relaxed", scope="cta")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _tile_member(bits8, p0, span, T: tl.constexpr, VEC: tl.constexpr, MASKED: tl.constexpr):
+    """[T, VEC] bool: which columns of the span tile at span positions p0 + [0, T * VEC) are
+    teacher ids, from the bitmap (`bits8`, as bytes): one byte a thread row (its VEC <= 8
+    columns start at a multiple of VEC); with MASKED only positions inside the span are read.
+    Read past L1 (.cg): the atomics of _mark_ids are performed in L2."""
+    p = p0 + tl.arange(0, T) * VEC
+    if MASKED:
+        b = tl.load(bits8 + (p >> 3), mask=p < span, other=0, cache_modifier=".cg")
+    else:
+        b = tl.load(bits8 + (p >> 3), cache_modifier=".cg")
+    shift = (p & 7)[:, None] + tl.arange(0, VEC)[None, :]
+    return ((b.to(tl.int32)[:, None] >> shift) & 1) != 0
 
 
 @triton.jit
@@ -166,31 +174,29 @@ def _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL: tl.constexpr,
 
 
 @triton.jit
-def _tile_fold(m, s_kd, s_t, s_x, sumz, x, mask, sid_row, a, NS, c0, softcap, c_kd,
+def _tile_fold(m, s_kd, s_t, s_x, sumz, x, mask, bits8, p0, span, softcap, c_kd,
                HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr, SHARE_EXP: tl.constexpr,
                HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
-    """_fold of a [T, VEC] tile x of raw logits at columns c0 + [0, T * VEC), its teacher ids
-    found by _tile_ids; returns the statistics and the sorted ids' next index."""
+    """_fold of a [T, VEC] tile x of raw logits at span positions p0 + [0, T * VEC), its
+    teacher ids read from the row's bitmap (_tile_member)."""
     T: tl.constexpr = x.shape[0]
     VEC: tl.constexpr = x.shape[1]
-    bits, a = _tile_ids(sid_row, a, NS, c0, T, VEC)
-    member = ((bits[:, None] >> tl.arange(0, VEC)[None, :]) & 1) != 0
+    member = _tile_member(bits8, p0, span, T, VEC, MASKED)
     z, _ = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
-    m, s_kd, s_t, s_x, sumz = _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL,
-                                    SHARE_EXP, HAS_SMOOTHING, MASKED, 1)
-    return m, s_kd, s_t, s_x, sumz, a
+    return _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL, SHARE_EXP,
+                 HAS_SMOOTHING, MASKED, 1)
 
 
 @triton.jit
-def _tail_stats(x_ptr, row_off, V, sid_row, NS, idv, softcap, inv_temp, BLOCK_V: tl.constexpr,
+def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr,
                 SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, EVICTION: tl.constexpr,
-                PREFETCH: tl.constexpr, KEEP: tl.constexpr):
+                PREFETCH: tl.constexpr, KEEP: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """One walk over a row, as _ce_core.slice_stats' (the aligned tile walk, per-thread
     statistics merged once at the end, PREFETCH and KEEP as there): (m, S, S_t, s_x, sum z,
     kept0, kept1) with m the max of z, S = sum exp((z - m) / T), S_t the same over the
-    columns that are not teacher ids (`sid_row`: the row's valid ids sorted, NO_ID past
-    them, NS entries to read; `idv` the ids, -1 where not valid, for the edge tile), s_x =
+    columns that are not teacher ids (`idv`: the ids, -1 where not valid; marked in the
+    int32 `bitmap` first, _mark_ids, except the edge tile's, compared directly), s_x =
     sum exp(z - m) (DISTILL; S at T = 1), all relative to safe_max(m). S and S_t take one
     exponential a column and one reduction order, so a row without ids has S_t == S."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
@@ -201,6 +207,9 @@ def _tail_stats(x_ptr, row_off, V, sid_row, NS, idv, softcap, inv_temp, BLOCK_V:
     s_x = tl.zeros([], tl.float32)
     sumz = tl.zeros([], tl.float32)
     k0, k1, lo = vector_span(row_off, 0, V, ALIGN, VEC)
+    span = k1 - k0
+    _mark_ids(bitmap, idv, idv >= 0, lo + k0, span, V, ZERO_BLOCK)
+    bits8 = bitmap.to(tl.pointer_type(tl.int8))
     if ALIGN < VEC:
         cols, in_edge = edge_tile(0, V, lo, k1, VEC)
         ze, _ = load_z(x_ptr + row_off, cols, in_edge, softcap, HAS_SOFTCAP, EVICTION, True)
@@ -216,25 +225,22 @@ def _tail_stats(x_ptr, row_off, V, sid_row, NS, idv, softcap, inv_temp, BLOCK_V:
     s_t = tl.where(first, s_t, 0.0)
     s_x = tl.where(first, s_x, 0.0)
     sumz = tl.where(first, sumz, 0.0)
-    n_full = (k1 - k0) // BLOCK_V
-    a = tl.zeros([], tl.int32)  # the sorted ids before it lie before the next tile
+    n_full = span // BLOCK_V
     kept0 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
     kept1 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
     if KEEP >= 1:
         kept0 = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, "evict_first", True)
-        m, s_kd, s_t, s_x, sumz, a0 = _tile_fold(m, s_kd, s_t, s_x, sumz, kept0,
-                                                 rr < n_full * BLOCK_V, sid_row, a, NS, lo + k0,
-                                                 softcap, c_kd, HAS_SOFTCAP, DISTILL, SHARE_EXP,
-                                                 HAS_SMOOTHING, True)
-        a = tl.where(n_full >= 1, a0, a)  # a partial tile is the last loop's
+        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, kept0,
+                                             rr < n_full * BLOCK_V, bits8, 0,
+                                             n_full * BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
+                                             DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
     if KEEP >= 2:
         kept1 = load_raw(base, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, "evict_first",
                          True)
-        m, s_kd, s_t, s_x, sumz, a1 = _tile_fold(m, s_kd, s_t, s_x, sumz, kept1,
-                                                 rr < (n_full - 1) * BLOCK_V, sid_row, a, NS,
-                                                 lo + k0 + BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
-                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
-        a = tl.where(n_full >= 2, a1, a)
+        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, kept1,
+                                             rr < (n_full - 1) * BLOCK_V, bits8, BLOCK_V,
+                                             n_full * BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
+                                             DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
     if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
         x_next = load_raw(base, k0 + KEEP * BLOCK_V + rr, rr < (n_full - KEEP) * BLOCK_V,
                           EVICTION, True)
@@ -242,23 +248,21 @@ def _tail_stats(x_ptr, row_off, V, sid_row, NS, idv, softcap, inv_temp, BLOCK_V:
             x = x_next
             x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
                               rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
-            m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0,
-                                                    sid_row, a, NS, lo + k0 + i * BLOCK_V,
-                                                    softcap, c_kd, HAS_SOFTCAP, DISTILL,
-                                                    SHARE_EXP, HAS_SMOOTHING, False)
+            m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0, bits8,
+                                                 i * BLOCK_V, span, softcap, c_kd, HAS_SOFTCAP,
+                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, False)
     else:
         for i in range(KEEP, n_full):
             x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
-            m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0,
-                                                    sid_row, a, NS, lo + k0 + i * BLOCK_V,
-                                                    softcap, c_kd, HAS_SOFTCAP, DISTILL,
-                                                    SHARE_EXP, HAS_SMOOTHING, False)
+            m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0, bits8,
+                                                 i * BLOCK_V, span, softcap, c_kd, HAS_SOFTCAP,
+                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, False)
     for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
         t = k + rr
         x = load_raw(base, t, t < k1, EVICTION, True)
-        m, s_kd, s_t, s_x, sumz, a = _tile_fold(m, s_kd, s_t, s_x, sumz, x, t < k1, sid_row, a,
-                                                NS, lo + k, softcap, c_kd, HAS_SOFTCAP, DISTILL,
-                                                SHARE_EXP, HAS_SMOOTHING, True)
+        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, t < k1, bits8, k - k0,
+                                             span, softcap, c_kd, HAS_SOFTCAP, DISTILL,
+                                             SHARE_EXP, HAS_SMOOTHING, True)
     m_t = m
     m = tl.max(m_t, axis=0)
     s_all = merge_scaled(m_t, s_kd, m, inv_temp)
@@ -377,24 +381,28 @@ def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, val
 @triton.jit
 def tail_fwd_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K] (-1: no entry), labels [N], row_scale
-    # [N, 2] = (ce, kd), sid [N, K + 1] (the valid ids sorted, NO_ID after them)
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, sid_ptr,
+    # [N, 2] = (ce, kd)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
-    # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD)
-    loss_ptr, stats_ptr, grad_ptr,
+    # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD), the id bitmaps
+    # int32 [N, ceil(V / 32)] (not BITMAP_IN_GRAD)
+    loss_ptr, stats_ptr, grad_ptr, bitmap_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     DISTILL: tl.constexpr, JSD: tl.constexpr, SHARE_EXP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
+    BITMAP_IN_GRAD: tl.constexpr, ZERO_BLOCK: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics from one walk over its vocabulary (_tail_stats,
     per-thread as kd_fwd_kernel's, PREFETCH and KEEP as there); with WRITE_GRAD also the dense
     part of the unit-cotangent gradient (kernels/kd.py's _write_dense, the row's lines kept
     in L2 by the walk's evict_last, its first KEEP tiles in registers). The logits at the ids
     are gathered before the walk (their latency hidden by it); the id and label columns of
-    the gradient are tail_ids_kernel's (a launch of its own, as kd_ids_kernel)."""
+    the gradient are tail_ids_kernel's (a launch of its own, as kd_ids_kernel). The walk's id
+    bitmap (_mark_ids) is at the first 4-byte boundary of the row's gradient with
+    BITMAP_IN_GRAD (the dense pass, after a barrier, overwrites it), else in bitmap_ptr."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -402,10 +410,18 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
+    if BITMAP_IN_GRAD:
+        ITEM: tl.constexpr = grad_ptr.dtype.element_ty.primitive_bitwidth // 8
+        g8 = (grad_ptr + row * V).to(tl.pointer_type(tl.int8))
+        bitmap = (g8 + (4 - (row * V * ITEM) % 4) % 4).to(tl.pointer_type(tl.int32))
+    else:
+        bitmap = bitmap_ptr + row * tl.cdiv(V, 32)
     m, s_all, s_t, s_x, sumz, kept0, kept1 = _tail_stats(
-        logits_ptr, row * stride_row, V, sid_ptr + row * (K + 1), tl.where(active, K + 1, 0),
-        tl.where(valid, ids, -1), softcap, inv_temp, BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL,
-        SHARE_EXP, HAS_SMOOTHING, "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP)
+        logits_ptr, row * stride_row, V, bitmap, tl.where(valid, ids, -1), softcap, inv_temp,
+        BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING,
+        "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP, ZERO_BLOCK)
+    if BITMAP_IN_GRAD:
+        tl.debug_barrier()  # every thread's bitmap reads before the dense pass overwrites it
     r = safe_max(m)
     zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
@@ -591,13 +607,15 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                   beta: float, distill: bool, ignore_index: int, write_grad: bool,
                   smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                   num_sms: int = launch.DEFAULT_NUM_SMS, itemsize: int = 0) -> Plan:
-    """x, ids, lp, y, row_scale [N, 2], sid [N, K + 1] -> loss, stats [N, TAIL_FIELDS] (and
-    grad, the unit-cotangent gradient, with write_grad): one program per row walks its
+    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, TAIL_FIELDS] (and grad, the
+    unit-cotangent gradient, with write_grad): one program per row walks its
     vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
     with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
     TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
     exponential a logit; few rows take the same walk, one program a row); then
-    tail_ids_kernel writes the id and label columns."""
+    tail_ids_kernel writes the id and label columns. The walk's id bitmaps live in the
+    gradient's rows where they fit (write_grad, `itemsize` known), else in an int32
+    [N, ceil(V / 32)] buffer of their own (N * V / 8 bytes)."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
     share = temperature == 1.0
     exps = 1 if share or not distill else 2
@@ -610,12 +628,18 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
     grad = Buf("grad", (n, vocab), LOGITS) if write_grad else placeholder("grad", LOGITS)
     scalars = _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta)
     align = vocab_align(vocab)
+    words = triton.cdiv(vocab, 32)
+    in_grad = write_grad and itemsize > 0 and vocab * itemsize >= 4 * words + 3
+    bitmap = placeholder("bitmap", "int32") if in_grad else Buf("bitmap", (n, words), "int32")
     launches = [Launch(
-        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "sid"), scalars,
-        (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad),
+        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale"), scalars,
+        (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad,
+         bitmap),
         warps,
         dict(BLOCK_V=block_v, SHARE_EXP=share, WRITE_GRAD=write_grad, ALIGN=align,
-             PREFETCH=prefetch and write_grad, KEEP=keep if write_grad else 0, **flags))]
+             PREFETCH=prefetch and write_grad, KEEP=keep if write_grad else 0,
+             BITMAP_IN_GRAD=in_grad,
+             ZERO_BLOCK=min(BITMAP_ZERO_BLOCK, triton.next_power_of_2(words)), **flags))]
     if write_grad:
         launches.append(Launch(
             tail_ids_kernel, (n,), ("x", "ids", "lp", "y", "stats", "grad"), scalars,
