@@ -674,12 +674,16 @@ def _partials_launch(n, vocab, flags, cfg, inv_temp, cap) -> Launch:
 def kd_bwd_launch(n, vocab, k, scalars, flags, cfg, offset="", vocab_total=None) -> Launch:
     """x, ids, lp, y, stats[, offset] -> grad (the row weights folded into stats): `offset`
     names the [N] int32 input holding the first global column of a vocabulary slice of
-    `vocab_total` columns (none: the whole row, offset 0)."""
+    `vocab_total` columns (none: the whole row, offset 0). distill_loss's 1024-thread
+    programs on aligned rows are capped at launch.KD_BWD_DISTILL_MAXNREG registers (two an
+    SM)."""
+    capped = flags["DISTILL"] and cfg.num_warps == 32 and cfg.align == 16
     return Launch(kd_bwd_kernel, (n, cfg.num_splits),
                   ("x", "ids", "lp", "y", "stats", offset or Zeros((n,), "int32")),
                   scalars + (vocab if vocab_total is None else vocab_total,),
                   (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
-                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
+                  dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags),
+                  maxnreg=launch.KD_BWD_DISTILL_MAXNREG if capped else None)
 
 
 # ----------------------------------------------------------------------------- vocabulary-parallel

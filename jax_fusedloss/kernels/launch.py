@@ -153,6 +153,12 @@ SPLIT_FUSED_KEEP = {2: 1}
 # Unaligned rows (V=255999) get 48 from jaxlib uncapped and are slower capped (3.31 -> 3.64
 # ms, both frameworks; 3.79 with 8192 x 6): the cap is for 16-byte aligned rows only.
 SPLIT_FUSED_KEPT = {2: (4096, 32 * 1024, 48)}
+# kd_bwd_kernel of distill_loss (the cross-entropy term on) at 32 warps and 16-byte aligned
+# rows: jaxlib's compiler gives it more than 32 registers a thread, so one 1024-thread program
+# an SM where kd_loss's (32 registers) gets two. Capped at 32 (2 x H200, vocabulary-sharded,
+# N=16384, V=128256 bf16, K=64, value_and_grad, time_jax, benchmarks/NOTES.md): distill_loss
+# 2.18 -> 1.81 ms (kd_loss 1.75 either way); caps of 40 / 48 were slower (2.20 / 2.20).
+KD_BWD_DISTILL_MAXNREG = 32
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
 SPLIT_FUSED_POLLS = 4096
