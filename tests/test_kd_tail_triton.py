@@ -144,3 +144,25 @@ def test_special_rows():
     assert not np.any(np.asarray(g)[1:]), g
     check("kd", dict(tail=True), inputs=(t * 0.5, None, ids_t, lp_t, None, None),
           impl="triton")
+
+
+@pytest.mark.parametrize("divergence", ["kl", "jsd"])
+def test_special_logits_as_the_xla_rows(divergence):
+    """NaN in a tail column and at a teacher id, +inf at an id and in the tail, -inf columns
+    (the walk sums only the tail; the row's sum is rebuilt from the ids' gathered logits): the
+    loss per row and the gradient rows are NaN, +inf or finite where the XLA rows' are, and
+    equal where finite."""
+    x, y, ids, lp, mask, _ = make_inputs(8, n=8, vocab=37, k=5)
+    x = x.at[0, 30].set(jnp.nan).at[1, ids[1, 0]].set(jnp.nan)
+    x = x.at[2, ids[2, 1]].set(jnp.inf).at[3, 31].set(jnp.inf)
+    x = x.at[4, :20].set(-jnp.inf).at[5].set(-jnp.inf).at[5, ids[5, 0]].set(1.0)
+    opts = dict(tail=True, divergence=divergence, reduction="none")
+    (got, vg), (want, vw) = (jax.vjp(lambda x: jax_fusedloss.kd_loss(
+        x, ids, lp, mask, implementation=impl, **opts), x) for impl in ("triton", "xla"))
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{got} vs {want}")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, equal_nan=True)
+    g, r = (np.asarray(v(jnp.ones(8))[0]) for v in (vg, vw))
+    np.testing.assert_array_equal(np.isnan(g).any(1), np.isnan(r).any(1))
+    fin = ~np.isnan(r).any(1)
+    np.testing.assert_allclose(g[fin], r[fin], rtol=1e-4, atol=1e-6)

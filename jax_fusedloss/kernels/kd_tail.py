@@ -17,12 +17,14 @@ rows), whose statistics layout (TAIL_FIELDS) these kernels share, so either back
 either forward's statistics.
 
 Q_t without cancellation: the row walk (_tail_stats, _ce_core.slice_stats' per-thread walk
-with its prefetch and kept tiles) sums exp((z_j - r) / T) over every column (S) and, with the
-same exponentials, over the tail columns only (S_t, the ids' columns masked out; r the max
-of z). The mask is a bitmap of the row's columns (one bit a column of the aligned span)
-that the row's program builds before its walk (_mark_ids: zero it, one atomic or an id,
-a barrier each) and reads back one byte a thread row of each tile (_tile_member): no
-per-column search, no sorted ids. The bitmap lives in the row's own gradient buffer, which
+with its prefetch and kept tiles) sums exp((z_j - m_t) / T) over the tail columns only (S_t,
+the ids' columns taken as -inf; m_t their max), and the row's sum is rebuilt from it and the
+distinct ids' gathered logits, S = S_t + sum_d exp((z_d - r) / T) relative to the row's max
+r: sums of positive terms, nothing subtracted. The mask is a bitmap of the row's columns
+(one bit a column of the aligned span) that the row's program builds before its walk
+(_mark_ids: zero it, one atomic or an id, a barrier each) and reads back one byte a thread
+row of each tile, prefetched with the tile (_tile_bits): no per-column search, no sorted
+ids. The bitmap lives in the row's own gradient buffer, which
 the dense gradient pass overwrites after a barrier (the fused forward; a separate int32
 [N, ceil(V / 32)] buffer for the statistics-only forward, or rows too short to hold it).
 The edge tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
@@ -132,59 +134,58 @@ def _mark_ids(bitmap, ids, valid, base, span, V, ZERO_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _tile_member(bits8, p0, span, T: tl.constexpr, VEC: tl.constexpr, MASKED: tl.constexpr):
-    """[T, VEC] bool: which columns of the span tile at span positions p0 + [0, T * VEC) are
-    teacher ids, from the bitmap (`bits8`, as bytes): one byte a thread row (its VEC <= 8
-    columns start at a multiple of VEC); with MASKED only positions inside the span are read.
-    Read past L1 (.cg): the atomics of _mark_ids are performed in L2."""
+def _tile_bits(bits8, p0, span, T: tl.constexpr, VEC: tl.constexpr, MASKED: tl.constexpr):
+    """The bitmap bytes of the span tile at span positions p0 + [0, T * VEC): [T] int8, one
+    a thread row (its VEC <= 8 columns start at a multiple of VEC); with MASKED only
+    positions inside the span are read (0 elsewhere). Read past L1 (.cg): the atomics of
+    _mark_ids are performed in L2."""
     p = p0 + tl.arange(0, T) * VEC
     if MASKED:
         b = tl.load(bits8 + (p >> 3), mask=p < span, other=0, cache_modifier=".cg")
     else:
         b = tl.load(bits8 + (p >> 3), cache_modifier=".cg")
-    shift = (p & 7)[:, None] + tl.arange(0, VEC)[None, :]
-    return ((b.to(tl.int32)[:, None] >> shift) & 1) != 0
+    return b
 
 
 @triton.jit
-def _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL: tl.constexpr,
+def _fold(m, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL: tl.constexpr,
           SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr,
           AXIS: tl.constexpr):
-    """One online step over a tile z (float32, -inf at masked lanes), reduced along AXIS as
-    _ce_core._fold (1: per-thread statistics of a [T, VEC] tile): s_kd = sum exp((z - m) / T)
-    over every column, s_t the same over the columns not `member` (not a teacher id; the
-    same exponentials), (DISTILL) s_x = sum exp(z - m) (s_kd itself at T = 1: SHARE_EXP, not
-    summed here) and (HAS_SMOOTHING) sum z."""
-    m_new = tl.maximum(m, tl.max(z, axis=AXIS))
+    """One online step over the tail columns of a tile z (float32, -inf at masked lanes; the
+    `member` columns, teacher ids, taken as -inf), reduced along AXIS as _ce_core._fold (1:
+    per-thread statistics of a [T, VEC] tile): m the max and s_t = sum exp((z - m) / T) of
+    the tail columns, (DISTILL, not SHARE_EXP) s_x = sum exp(z - m) of the same columns and
+    (HAS_SMOOTHING) sum z over every column."""
+    zt = tl.where(member, float("-inf"), z)
+    m_new = tl.maximum(m, tl.max(zt, axis=AXIS))
     ms = safe_max(m_new)
     if AXIS == 1:
-        d = z - ms[:, None]
+        d = zt - ms[:, None]
     else:
-        d = z - ms
-    alpha = tl.minimum(tl.math.exp2((m - ms) * c_kd), FLT_MAX)
-    e = tl.math.exp2(d * c_kd)
-    s_kd = s_kd * alpha + tl.sum(e, axis=AXIS)
-    s_t = s_t * alpha + tl.sum(tl.where(member, 0.0, e), axis=AXIS)
+        d = zt - ms
+    s_t = s_t * tl.minimum(tl.math.exp2((m - ms) * c_kd), FLT_MAX) + tl.sum(
+        tl.math.exp2(d * c_kd), axis=AXIS)
     if DISTILL:
         if not SHARE_EXP:
             s_x = s_x * tl.minimum(tl.exp(m - ms), FLT_MAX) + tl.sum(tl.exp(d), axis=AXIS)
     if HAS_SMOOTHING:
         sumz += tl.sum(tl.where(mask, z, 0.0) if MASKED else z, axis=AXIS)
-    return m_new, s_kd, s_t, s_x, sumz
+    return m_new, s_t, s_x, sumz
 
 
 @triton.jit
-def _tile_fold(m, s_kd, s_t, s_x, sumz, x, mask, bits8, p0, span, softcap, c_kd,
-               HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr, SHARE_EXP: tl.constexpr,
-               HAS_SMOOTHING: tl.constexpr, MASKED: tl.constexpr):
+def _tile_fold(m, s_t, s_x, sumz, x, b, p0, mask, softcap, c_kd, HAS_SOFTCAP: tl.constexpr,
+               DISTILL: tl.constexpr, SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               MASKED: tl.constexpr):
     """_fold of a [T, VEC] tile x of raw logits at span positions p0 + [0, T * VEC), its
-    teacher ids read from the row's bitmap (_tile_member)."""
-    T: tl.constexpr = x.shape[0]
+    teacher ids the set bits of its bitmap bytes b (_tile_bits)."""
     VEC: tl.constexpr = x.shape[1]
-    member = _tile_member(bits8, p0, span, T, VEC, MASKED)
+    p = p0 + tl.arange(0, x.shape[0]) * VEC
+    shift = (p & 7)[:, None] + tl.arange(0, VEC)[None, :]
+    member = ((b.to(tl.int32)[:, None] >> shift) & 1) != 0
     z, _ = to_z(x, mask, softcap, HAS_SOFTCAP, MASKED)
-    return _fold(m, s_kd, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL, SHARE_EXP,
-                 HAS_SMOOTHING, MASKED, 1)
+    return _fold(m, s_t, s_x, sumz, z, member, mask, c_kd, DISTILL, SHARE_EXP, HAS_SMOOTHING,
+                 MASKED, 1)
 
 
 @triton.jit
@@ -192,17 +193,17 @@ def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.c
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr,
                 SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, EVICTION: tl.constexpr,
                 PREFETCH: tl.constexpr, KEEP: tl.constexpr, ZERO_BLOCK: tl.constexpr):
-    """One walk over a row, as _ce_core.slice_stats' (the aligned tile walk, per-thread
-    statistics merged once at the end, PREFETCH and KEEP as there): (m, S, S_t, s_x, sum z,
-    kept0, kept1) with m the max of z, S = sum exp((z - m) / T), S_t the same over the
-    columns that are not teacher ids (`idv`: the ids, -1 where not valid; marked in the
-    int32 `bitmap` first, _mark_ids, except the edge tile's, compared directly), s_x =
-    sum exp(z - m) (DISTILL; S at T = 1), all relative to safe_max(m). S and S_t take one
-    exponential a column and one reduction order, so a row without ids has S_t == S."""
+    """One walk over a row's tail columns, as _ce_core.slice_stats' (the aligned tile walk,
+    per-thread statistics merged once at the end, PREFETCH and KEEP as there, the bitmap
+    bytes prefetched with the tiles): (m_t, S_t, s_xt, sum z, kept0, kept1) with m_t the max
+    of z over the columns that are not teacher ids (`idv`: the ids, -1 where not valid;
+    marked in the int32 `bitmap` first, _mark_ids, except the edge tile's, compared
+    directly), S_t = sum exp((z - m_t) / T) over them and s_xt = sum exp(z - m_t) (DISTILL
+    without SHARE_EXP, else 0), both relative to safe_max(m_t); sum z over every column
+    (HAS_SMOOTHING). The ids' own terms are tail_fwd_kernel's, from their gathered logits."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = inv_temp * LOG2E
     m = tl.full([], float("-inf"), tl.float32)
-    s_kd = tl.zeros([], tl.float32)
     s_t = tl.zeros([], tl.float32)
     s_x = tl.zeros([], tl.float32)
     sumz = tl.zeros([], tl.float32)
@@ -214,14 +215,13 @@ def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.c
         cols, in_edge = edge_tile(0, V, lo, k1, VEC)
         ze, _ = load_z(x_ptr + row_off, cols, in_edge, softcap, HAS_SOFTCAP, EVICTION, True)
         hit = tl.max(tl.where(cols[:, None] == idv[None, :], 1, 0), axis=1) != 0
-        m, s_kd, s_t, s_x, sumz = _fold(m, s_kd, s_t, s_x, sumz, ze, hit, in_edge, c_kd,
-                                        DISTILL, SHARE_EXP, HAS_SMOOTHING, True, 0)
+        m, s_t, s_x, sumz = _fold(m, s_t, s_x, sumz, ze, hit, in_edge, c_kd, DISTILL,
+                                  SHARE_EXP, HAS_SMOOTHING, True, 0)
     base = span_ptr(x_ptr, row_off, lo, ALIGN, VEC)
     T: tl.constexpr = BLOCK_V // VEC  # per-thread statistics, the edge tile's in thread row 0
     rr = tl.arange(0, T)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     first = tl.arange(0, T) == 0
     m = tl.where(first, m, float("-inf"))
-    s_kd = tl.where(first, s_kd, 0.0)
     s_t = tl.where(first, s_t, 0.0)
     s_x = tl.where(first, s_x, 0.0)
     sumz = tl.where(first, sumz, 0.0)
@@ -230,51 +230,51 @@ def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.c
     kept1 = tl.zeros([T, VEC], x_ptr.dtype.element_ty)
     if KEEP >= 1:
         kept0 = load_raw(base, k0 + rr, rr < n_full * BLOCK_V, "evict_first", True)
-        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, kept0,
-                                             rr < n_full * BLOCK_V, bits8, 0,
-                                             n_full * BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
-                                             DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
+        b = _tile_bits(bits8, 0, n_full * BLOCK_V, T, VEC, True)
+        m, s_t, s_x, sumz = _tile_fold(m, s_t, s_x, sumz, kept0, b, 0, rr < n_full * BLOCK_V,
+                                       softcap, c_kd, HAS_SOFTCAP, DISTILL, SHARE_EXP,
+                                       HAS_SMOOTHING, True)
     if KEEP >= 2:
         kept1 = load_raw(base, k0 + BLOCK_V + rr, rr < (n_full - 1) * BLOCK_V, "evict_first",
                          True)
-        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, kept1,
-                                             rr < (n_full - 1) * BLOCK_V, bits8, BLOCK_V,
-                                             n_full * BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
-                                             DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
+        b = _tile_bits(bits8, BLOCK_V, n_full * BLOCK_V, T, VEC, True)
+        m, s_t, s_x, sumz = _tile_fold(m, s_t, s_x, sumz, kept1, b, BLOCK_V,
+                                       rr < (n_full - 1) * BLOCK_V, softcap, c_kd, HAS_SOFTCAP,
+                                       DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
     if PREFETCH and x_ptr.dtype.element_ty.primitive_bitwidth <= 16:
         x_next = load_raw(base, k0 + KEEP * BLOCK_V + rr, rr < (n_full - KEEP) * BLOCK_V,
                           EVICTION, True)
+        b_next = _tile_bits(bits8, KEEP * BLOCK_V, n_full * BLOCK_V, T, VEC, True)
         for i in range(KEEP, n_full):
             x = x_next
+            b = b_next
             x_next = load_raw(base, k0 + (i + 1) * BLOCK_V + rr,
                               rr < (n_full - 1 - i) * BLOCK_V, EVICTION, True)
-            m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0, bits8,
-                                                 i * BLOCK_V, span, softcap, c_kd, HAS_SOFTCAP,
-                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, False)
+            b_next = _tile_bits(bits8, (i + 1) * BLOCK_V, n_full * BLOCK_V, T, VEC, True)
+            m, s_t, s_x, sumz = _tile_fold(m, s_t, s_x, sumz, x, b, i * BLOCK_V, rr >= 0,
+                                           softcap, c_kd, HAS_SOFTCAP, DISTILL, SHARE_EXP,
+                                           HAS_SMOOTHING, False)
     else:
         for i in range(KEEP, n_full):
             x = load_raw(base, k0 + i * BLOCK_V + rr, rr >= 0, EVICTION, False)
-            m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, rr >= 0, bits8,
-                                                 i * BLOCK_V, span, softcap, c_kd, HAS_SOFTCAP,
-                                                 DISTILL, SHARE_EXP, HAS_SMOOTHING, False)
+            b = _tile_bits(bits8, i * BLOCK_V, span, T, VEC, False)
+            m, s_t, s_x, sumz = _tile_fold(m, s_t, s_x, sumz, x, b, i * BLOCK_V, rr >= 0,
+                                           softcap, c_kd, HAS_SOFTCAP, DISTILL, SHARE_EXP,
+                                           HAS_SMOOTHING, False)
     for k in range(k0 + n_full * BLOCK_V, k1, BLOCK_V):  # the partial last tile, if any
         t = k + rr
         x = load_raw(base, t, t < k1, EVICTION, True)
-        m, s_kd, s_t, s_x, sumz = _tile_fold(m, s_kd, s_t, s_x, sumz, x, t < k1, bits8, k - k0,
-                                             span, softcap, c_kd, HAS_SOFTCAP, DISTILL,
-                                             SHARE_EXP, HAS_SMOOTHING, True)
-    m_t = m
-    m = tl.max(m_t, axis=0)
-    s_all = merge_scaled(m_t, s_kd, m, inv_temp)
-    s_t = merge_scaled(m_t, s_t, m, inv_temp)
-    if DISTILL:
-        if SHARE_EXP:
-            s_x = s_all
-        else:
-            _, s_x = merge_stats(m_t, s_x)
+        b = _tile_bits(bits8, k - k0, span, T, VEC, True)
+        m, s_t, s_x, sumz = _tile_fold(m, s_t, s_x, sumz, x, b, k - k0, t < k1, softcap, c_kd,
+                                       HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING, True)
+    m_i = m
+    m = tl.max(m_i, axis=0)
+    s_t = merge_scaled(m_i, s_t, m, inv_temp)
+    if DISTILL and not SHARE_EXP:
+        _, s_x = merge_stats(m_i, s_x)
     else:
         s_x = tl.sum(s_x, axis=0)  # 0, as a scalar
-    return m, s_all, s_t, s_x, tl.sum(sumz, axis=0), kept0, kept1
+    return m, s_t, s_x, tl.sum(sumz, axis=0), kept0, kept1
 
 
 @triton.jit
@@ -416,17 +416,30 @@ def tail_fwd_kernel(
         bitmap = (g8 + (4 - (row * V * ITEM) % 4) % 4).to(tl.pointer_type(tl.int32))
     else:
         bitmap = bitmap_ptr + row * tl.cdiv(V, 32)
-    m, s_all, s_t, s_x, sumz, kept0, kept1 = _tail_stats(
+    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    m_t, s_t, s_xt, sumz, kept0, kept1 = _tail_stats(
         logits_ptr, row * stride_row, V, bitmap, tl.where(valid, ids, -1), softcap, inv_temp,
         BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING,
         "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP, ZERO_BLOCK)
     if BITMAP_IN_GRAD:
         tl.debug_barrier()  # every thread's bitmap reads before the dense pass overwrites it
-    r = safe_max(m)
-    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
                                        K_CHUNK)
     first = valid & (before == 0.0)
+    # the whole row from its tail and its distinct ids, relative to r: S = S_t + S_D, sums of
+    # positive terms (no cancellation); m the row's max (NaN and +inf as the walk's would be)
+    m = tl.maximum(m_t, tl.max(tl.where(first, zk, float("-inf")), axis=0))
+    r = safe_max(m)
+    tail_scale = tl.math.exp2((safe_max(m_t) - r) * (inv_temp * LOG2E))
+    s_t = tl.where(m_t == float("-inf"), 0.0, s_t * tail_scale)
+    s_all = s_t + tl.sum(tl.where(first, tl.math.exp2((zk - r) * (inv_temp * LOG2E)), 0.0),
+                         axis=0)
+    s_x = tl.zeros([], tl.float32)  # (kd_loss: no cross-entropy statistics)
+    if DISTILL:
+        s_x = s_all
+        if not SHARE_EXP:
+            s_x = tl.where(m_t == float("-inf"), 0.0, s_xt * tl.exp(safe_max(m_t) - r)) + tl.sum(
+                tl.where(first, tl.exp(zk - r), 0.0), axis=0)
     lgS = _log(s_all)
     lgS_t = _log(s_t)
     lQ = (zk - r) * inv_temp - lgS
