@@ -35,6 +35,9 @@ class KDOptions(NamedTuple):
     tail: bool = False
     divergence: str = "kl"
     beta: float = 0.5
+    # the fused forward's gradient overwrites the logits (kernels/kd.py kd_fwd_plan's
+    # in_place): only for logits that are dead after the call (the LM head's chunks)
+    in_place: bool = False
 
 
 # ----------------------------------------------------------------------------- Triton launches
@@ -48,7 +51,7 @@ def _triton_rows_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                               ignore_index=opts.ignore_index, num_sms=_triton_jax.num_sms(),
                               write_grad=write_grad, smoothing=opts.smoothing,
                               z_loss=opts.z_loss, softcap=opts.softcap,
-                              itemsize=x.dtype.itemsize)
+                              itemsize=x.dtype.itemsize, in_place=write_grad and opts.in_place)
 
     return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
                                 row_scale)

@@ -56,7 +56,8 @@ def _specs(plan, dt: str, inputs: dict[str, str]):
     gives the plan inputs' types ("x" is the logits, of dtype dt)."""
     env = dict(inputs, x=f"*{dt}")
     for step in plan.launches:
-        types = [env[i] if isinstance(i, str) else f"*{TYPES[i.dtype]}" for i in step.inputs]
+        types = [env[i] if isinstance(i, str) else env["x"] if i.dtype == LOGITS
+                 else f"*{TYPES[i.dtype]}" for i in step.inputs]
         types += ["fp32" if isinstance(s, float) else "i32" for s in step.scalars]
         outs = [f"*{dt}" if b.dtype == LOGITS else f"*{TYPES[b.dtype]}" for b in step.outputs]
         env.update((b.name, t) for b, t in zip(step.outputs, outs))
@@ -128,6 +129,12 @@ def _kd():
         yield from _specs(kd.kd_fwd_plan(8192, 128256, k, temperature=2.0, normalize="full",
                                          distill=True, ignore_index=-100, num_sms=SMS,
                                          write_grad=True, itemsize=2), "bf16", types)
+    # the LM head's chunks: the gradient written over the logits (in_place)
+    for normalize, distill, t, extra in options:
+        yield from _specs(kd.kd_fwd_plan(4096, 128256, 64, temperature=t, normalize=normalize,
+                                         distill=distill, ignore_index=-100, num_sms=SMS,
+                                         write_grad=True, itemsize=2, in_place=True, **extra),
+                          "bf16", types)
     bwd_types = dict(ids="*i32", lp="*fp32", y="*i32", stats="*fp32", offset="*i32")
     for (dt, (n, v)), (normalize, distill, t, extra) in itertools.product(KD_VP_CASES, options):
         slice_opts = dict(temperature=t, normalize=normalize, distill=distill, num_sms=SMS,

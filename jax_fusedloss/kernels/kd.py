@@ -239,15 +239,18 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, lg_x, lg_L, P, a, c, kd_a, inv_t
 @triton.jit
 def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, ids, valid, p,
                zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap, start, stop,
-               BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr,
+               xy_ptr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, FULL: tl.constexpr,
                DISTILL: tl.constexpr, CE_STATS: tl.constexpr, KD_STATS: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               LABEL_FROM_XK: tl.constexpr):
     """Overwrites the columns of one row's gradient that _write_dense got wrong, those in
     [start, stop), with their complete values computed from scratch in float32:
     1. each valid teacher id (`ids`, `valid`, `p` from _entries, `zk`, `dzk` from _gather):
        entries sharing an id sum their p (and, for "topk", count their q) through a
        [BLOCK_K, K_CHUNK] comparison per step, so all of them store the same value;
-    2. the label column (distill) when it is not a teacher id: dense value - b.
+    2. the label column (distill) when it is not a teacher id: dense value - b, its raw
+       logit read at x_row[label] or, with LABEL_FROM_XK, at xy_ptr (kd_fwd_kernel saved it
+       there: the gradient may have overwritten the logits).
     Every column is multiplied by dz/dx with a softcap. The dense values must be visible
     first (a barrier in the same program, or an earlier launch)."""
     sum_p = tl.zeros([BLOCK_K], tl.float32)
@@ -275,7 +278,11 @@ def _write_ids(x_row, grad_row_ptr, ids_ptr, lp_ptr, row, V, K, active, label, i
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
-        zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "", True)
+        if LABEL_FROM_XK:
+            zy, dzy = load_z(xy_ptr, 0, own_y, softcap, HAS_SOFTCAP, "", True)
+        else:
+            zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "",
+                             True)
     tl.store(grad_row_ptr + tl.where(own, ids, 0), g.to(grad_row_ptr.dtype.element_ty), mask=own)
     if DISTILL:
         off_x, sgn_x, off_s, sgn_s = _dense_offsets(lg_x, lg_L, P, a, kd_a, inv_temp, FULL,
@@ -313,7 +320,8 @@ def kd_fwd_kernel(
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, part_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap,
-    # outputs: loss [N], stats [N, STATS_FIELDS], grad [N, V] and xk [N, K] (WALK_GATHER)
+    # outputs: loss [N], stats [N, STATS_FIELDS], grad [N, V] (with IN_PLACE the logits'
+    # buffer) and xk [N, K + 1] (WALK_GATHER: the raw logits at the ids, then the label's)
     loss_ptr, stats_ptr, grad_ptr, xk_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
@@ -322,6 +330,7 @@ def kd_fwd_kernel(
     HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, FROM_PARTS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr, WALK_GATHER: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics, from its own walk over the vocabulary (row
     path, _ce_core.slice_stats' per-thread walk, PREFETCH and KEEP as there; with WRITE_GRAD
@@ -338,7 +347,10 @@ def kd_fwd_kernel(
     the pass is done (H100, bf16, V=128256, K=64, value_and_grad: kd_loss 1.668 -> 1.647 ms,
     distill_loss T=2 1.913 -> 1.897, T=1 unchanged; "topk" kd_loss, which does not walk the
     row, lost 0.768 -> 0.864, and kd_loss at the unaligned V=50257 0.670 -> 0.927: there the
-    ids kernel gathers them itself).
+    ids kernel gathers them itself). distill_loss saves the label's raw logit there too
+    (column K). IN_PLACE (with WALK_GATHER): the gradient overwrites the logits (aliased), so
+    those gathers are stored, and every thread's reads of the row's scattered logits done,
+    before a barrier that precedes the gradient pass.
     """
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
@@ -414,15 +426,23 @@ def kd_fwd_kernel(
     tl.store(out + 7, r_L)
     tl.store(out + 8, lg_L)
     if WRITE_GRAD:
+        xk_row = xk_ptr + row * (K + 1)
+        kk = tl.arange(0, BLOCK_K)
         if WALK_GATHER:
             xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)
+            if DISTILL:
+                has_y = active & (label >= 0) & (label < V)
+                xy = tl.load(x_row + tl.where(has_y, label, 0), mask=has_y, other=0.0)
+                tl.store(xk_row + K, xy.to(tl.float32))
+            if IN_PLACE:
+                tl.store(xk_row + kk, xk.to(tl.float32), mask=kk < K)
+                tl.debug_barrier()  # the row's gathered logits read before it is overwritten
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x, lg_L, P, a, c,
                      kd_a, inv_temp, softcap, 0, V, kept0, kept1, "evict_first", BLOCK_V, ALIGN,
                      FULL, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
                      KEEP if DISTILL or KD_STATS else 0)
-        if WALK_GATHER:
-            kk = tl.arange(0, BLOCK_K)
-            tl.store(xk_ptr + row * K + kk, xk.to(tl.float32), mask=kk < K)
+        if WALK_GATHER and not IN_PLACE:
+            tl.store(xk_row + kk, xk.to(tl.float32), mask=kk < K)
 
 
 @triton.jit
@@ -466,7 +486,7 @@ def kd_ids_kernel(
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
     if WALK_GATHER:  # kd_fwd_kernel gathered them
-        zk, dzk = load_z(xk_ptr + row * K, kk, kk < K, softcap, HAS_SOFTCAP, "", True)
+        zk, dzk = load_z(xk_ptr + row * (K + 1), kk, kk < K, softcap, HAS_SOFTCAP, "", True)
         zk = tl.where(valid, zk, 0.0)  # as _gather
     else:
         zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
@@ -492,8 +512,9 @@ def kd_ids_kernel(
         a, b, c = ce_coefs(tl.load(st), V, smoothing, z_loss, bad, tl.load(st + 3), HAS_ZLOSS)
     _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
                valid, p, zk, dzk, tl.load(st + 5), tl.load(st + 6), r_L, lg_L, tl.load(st + 2),
-               a, b, c, kd_a, inv_temp, softcap, 0, V, BLOCK_K, K_CHUNK, FULL, DISTILL,
-               CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING)
+               a, b, c, kd_a, inv_temp, softcap, 0, V, xk_ptr + row * (K + 1) + K, BLOCK_K,
+               K_CHUNK, FULL, DISTILL, CE_STATS, KD_STATS, HAS_SOFTCAP, HAS_SMOOTHING,
+               WALK_GATHER)
 
 
 @triton.jit
@@ -573,8 +594,8 @@ def kd_bwd_kernel(
     zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
                valid, p, zk, dzk, r, lg_x, r_L, lg_L, P, a, b, c, kd_a, inv_temp, softcap,
-               start, stop, BLOCK_K, K_CHUNK, FULL, DISTILL, CE_STATS, KD_STATS, HAS_SOFTCAP,
-               HAS_SMOOTHING)
+               start, stop, x_row, BLOCK_K, K_CHUNK, FULL, DISTILL, CE_STATS, KD_STATS,
+               HAS_SOFTCAP, HAS_SMOOTHING, False)
 
 
 def kd_constexprs(normalize: str, distill: bool, temperature: float, k: int,
@@ -612,15 +633,17 @@ def needs_vocab_pass(flags: dict) -> bool:
 def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: str,
                 distill: bool, ignore_index: int, num_sms: int, write_grad: bool,
                 smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                itemsize: int = 0) -> Plan:
-    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the
-    unit-cotangent gradient, with write_grad). Many rows: one program per row walks the
-    vocabulary once and writes the gradient, then kd_ids_kernel does the work at the teacher's
-    ids; few rows: partials per vocabulary slice (when the options need a vocabulary walk),
-    one program per row merges them, then a split gradient pass. smoothing and z_loss apply to
-    distill's cross-entropy term, softcap to the logits both terms see. itemsize: bytes per
-    logit, which sets the tiles the row walk keeps in registers (launch.kd_keep_tiles; 0
-    keeps none)."""
+                itemsize: int = 0, in_place: bool = False) -> Plan:
+    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, STATS_FIELDS] (and grad, the unit-
+    cotangent gradient, with write_grad; with in_place, for logits that are dead after the
+    call (the LM head's chunks), written over x where the walk gathers the logits at the
+    ids, launch.kd_walk_gathers, and a fresh buffer elsewhere). Many rows: one program per
+    row walks the vocabulary once and writes the gradient, then kd_ids_kernel does the work
+    at the teacher's ids; few rows: partials per vocabulary slice (when the options need a
+    vocabulary walk), one program per row merges them, then a split gradient pass. smoothing
+    and z_loss apply to distill's cross-entropy term, softcap to the logits both terms see.
+    itemsize: bytes per logit, which sets the tiles the row walk keeps in registers
+    (launch.kd_keep_tiles; 0 keeps none)."""
     flags = kd_constexprs(normalize, distill, temperature, k, softcap, smoothing, z_loss,
                           launch.kd_power(vocab, itemsize))
     exps = flags["KD_STATS"] + (flags["CE_STATS"] == 1)  # exponentials per logit and pass
@@ -639,7 +662,8 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     grad = Buf("grad", (n, vocab), LOGITS) if write_here else placeholder("grad", LOGITS)
     walk_gather = (write_here and needs_vocab_pass(flags)
                    and launch.kd_walk_gathers(vocab, itemsize))
-    xk = Buf("xk", (n, k), "float32") if walk_gather else placeholder("xk")
+    in_place = in_place and walk_gather
+    xk = Buf("xk", (n, k + 1), "float32") if walk_gather else placeholder("xk")
     launches.append(Launch(
         kd_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", part), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"), grad,
@@ -648,10 +672,14 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
         dict(BLOCK_V=cfg.block_v, NUM_SPLITS=splits, BLOCK_S=merge_block(splits),
              FROM_PARTS=splits > 1, WRITE_GRAD=write_here, ALIGN=cfg.align,
              PREFETCH=cfg.prefetch and write_here, KEEP=cfg.keep if write_here else 0,
-             WALK_GATHER=walk_gather, **flags)))
+             WALK_GATHER=walk_gather, IN_PLACE=in_place, **flags),
+        aliases=((0, 2),) if in_place else ()))
     if write_here:
+        # in place the logits are gone: kd_ids_kernel reads the ids' and label's from xk
+        logits = Zeros((1,), LOGITS) if in_place else "x"
         launches.append(Launch(
-            kd_ids_kernel, (n,), ("x", "ids", "lp", "y", "xk", "loss", "stats", "grad"), scalars,
+            kd_ids_kernel, (n,), (logits, "ids", "lp", "y", "xk", "loss", "stats", "grad"),
+            scalars,
             (Buf("loss", (n,), "float32"), Buf("stats", (n, STATS_FIELDS.value), "float32"),
              Buf("grad", (n, vocab), LOGITS)), KD_IDS_WARPS,
             dict(ALIGN=cfg.align, WALK_GATHER=walk_gather, **flags),
