@@ -196,6 +196,7 @@ def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
     def plan(n, vocab):
         return kd_tail.tail_fwd_plan(n, vocab, ids.shape[-1], write_grad=write_grad,
                                      num_sms=_triton_jax.num_sms(), itemsize=x.dtype.itemsize,
+                                     in_place=write_grad and opts.in_place,
                                      **_tail_kernel_options(opts))
 
     return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,

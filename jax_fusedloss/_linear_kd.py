@@ -30,8 +30,7 @@ class _LinearKD(_lm_head.HeadOp):
 
     def row_fns(self, impl):
         # each chunk's logits are a temporary of the walk: the fused KD forward's gradient
-        # overwrites them (the tail forms keep their own buffer: its rows hold their id
-        # bitmaps)
+        # overwrites them
         opts = self.opts._replace(implementation=impl, in_place=True)
         fns = dict(row_fns(opts, impl))
         rows_bwd = _xla_tail.rows_bwd if opts.tail else _xla_kd.rows_bwd

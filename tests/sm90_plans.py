@@ -157,9 +157,12 @@ def _kd_tail():
     for (dt, (n, v)), (div, distill, t, extra) in itertools.product(KD_CASES, options):
         kw = dict(temperature=t, divergence=div, beta=0.3, distill=distill, ignore_index=-100,
                   **extra)
-        for write_grad in (True, False):
+        for write_grad, in_place in ((True, False), (False, False), (True, True)):
+            if in_place and dt != "bf16":
+                continue  # the LM head's chunks, bf16
             yield from _specs(kd_tail.tail_fwd_plan(n, v, 64, write_grad=write_grad,
-                                                    num_sms=SMS, itemsize=_itemsize(dt), **kw),
+                                                    num_sms=SMS, itemsize=_itemsize(dt),
+                                                    in_place=in_place, **kw),
                               dt, types)
         yield from _specs(kd_tail.tail_bwd_plan(n, v, 64, num_sms=SMS, **kw), dt, types)
 

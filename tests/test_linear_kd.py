@@ -125,9 +125,12 @@ def test_triton_interpreter_matches_float64(interpreter, fn, mode, vocab):
     ("kd", "fast", dict(tail=True, divergence="jsd", beta=0.3, weighted=True)),
     ("distill", "lean", dict(alpha=0.4, tail=True, temperature=2.0)),
     ("kd", "low_precision", dict(tail=True, reduction="none")),
+    ("distill", "fast", dict(alpha=0.4, tail=True, label_smoothing=0.1)),
 ])
 def test_triton_tail_interpreter_matches_float64(interpreter, fn, mode, opts):
-    """The (K+1)-bucket forms on the Triton tail kernels (kernels/kd_tail.py) in the walks."""
+    """The (K+1)-bucket forms on the Triton tail kernels (kernels/kd_tail.py) in the walks
+    ("fast": each chunk's gradient written over its logits, the logits at the ids and label
+    kept in xk for the id launch)."""
     layout = "vd" if mode == "lean" else "dv"
     inputs = make_inputs(n=5, vocab=45, layout=layout)
     got = run(fn, "triton", inputs, layout, mode=mode, chunk_size=2, **opts)

@@ -55,7 +55,7 @@ from jax_fusedloss.kernels.kd import DUP_CHUNK, _entries, _gather, _row_state, d
 from jax_fusedloss.kernels.kd import _write_dense as _kd_write_dense
 from jax_fusedloss.kernels.launch import (FWD_TILE_ELEMS, GRAD_TILE_ELEMS, KD_IDS_WARPS,
                                           _tile, row_config, vocab_align)
-from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, placeholder
+from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeholder
 
 # float32 [N, TAIL_FIELDS] = (lse(z), lgS, lgS_t, ce_a, kd_a, r, lg_x, alpha1, alpha2, C), as
 # _xla/kd_tail.py's TAIL_FIELDS: q_j = exp((z_j - r) / T - lgS), q_j / Q_t =
@@ -342,12 +342,14 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, off_s, sgn_s, off_x, sgn_x, c, i
 @triton.jit
 def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, valid, lp, zk, dzk,
                r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b, c, inv_temp, beta,
-               log_b, log_1mb, softcap, start, stop, BLOCK_K: tl.constexpr,
+               log_b, log_1mb, softcap, start, stop, xy_ptr, BLOCK_K: tl.constexpr,
                K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr):
+               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               LABEL_FROM_XK: tl.constexpr):
     """Overwrites the columns of [start, stop) at the valid teacher ids (their complete values,
     identical for duplicates) and (distill) the label column when it is not an id (its dense
-    value - b). The dense values must be visible first."""
+    value - b; its raw logit at x_row[label], or at xy_ptr with LABEL_FROM_XK). The dense
+    values must be visible first."""
     sum_p, count, _before = _duplicates(ids_ptr, lp_ptr, row, V, K, active, ids, BLOCK_K,
                                         K_CHUNK)
     lq = (zk - r) * inv_temp - lgS
@@ -368,7 +370,11 @@ def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, val
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
         own_y = (y >= start) & (y < stop)
-        zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "", True)
+        if LABEL_FROM_XK:
+            zy, dzy = load_z(xy_ptr, 0, own_y, softcap, HAS_SOFTCAP, "", True)
+        else:
+            zy, dzy = load_z(x_row, tl.where(own_y, y, 0), own_y, softcap, HAS_SOFTCAP, "",
+                             True)
         gy = _dense_value(zy, dzy, r, off_s, sgn_s, off_x, sgn_x, c, inv_temp, DISTILL, False,
                           HAS_SMOOTHING) - b
         if HAS_SOFTCAP:
@@ -385,15 +391,16 @@ def tail_fwd_kernel(
     logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
-    # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD), the id bitmaps
-    # int32 [N, ceil(V / 32)] (not BITMAP_IN_GRAD)
-    loss_ptr, stats_ptr, grad_ptr, bitmap_ptr,
+    # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD; with IN_PLACE the
+    # logits' buffer), the id bitmaps int32 [N, ceil(V / 32)] (not BITMAP_IN_GRAD), xk
+    # [N, K + 1] (IN_PLACE: the raw logits at the ids, then the label's)
+    loss_ptr, stats_ptr, grad_ptr, bitmap_ptr, xk_ptr,
     # constexprs
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
     DISTILL: tl.constexpr, JSD: tl.constexpr, SHARE_EXP: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr, ALIGN: tl.constexpr, PREFETCH: tl.constexpr, KEEP: tl.constexpr,
-    BITMAP_IN_GRAD: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+    BITMAP_IN_GRAD: tl.constexpr, ZERO_BLOCK: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     """Grid (N,): a row's loss and statistics from one walk over its vocabulary (_tail_stats,
     per-thread as kd_fwd_kernel's, PREFETCH and KEEP as there); with WRITE_GRAD also the dense
@@ -402,7 +409,10 @@ def tail_fwd_kernel(
     are gathered before the walk (their latency hidden by it); the id and label columns of
     the gradient are tail_ids_kernel's (a launch of its own, as kd_ids_kernel). The walk's id
     bitmap (_mark_ids) is at the first 4-byte boundary of the row's gradient with
-    BITMAP_IN_GRAD (the dense pass, after a barrier, overwrites it), else in bitmap_ptr."""
+    BITMAP_IN_GRAD (the dense pass, after a barrier, overwrites it), else in bitmap_ptr.
+    IN_PLACE: the gradient overwrites the logits (aliased), so the raw logits at the ids and
+    the label go to xk for tail_ids_kernel, and a barrier separates every read of the row's
+    scattered logits from the gradient pass."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -492,6 +502,16 @@ def tail_fwd_kernel(
         # u / T relative to exp(ref) (_dense_offsets' choice of reference)
         u = tl.where(a2 == 0.0, kd_a * a1, kd_a * (a1 * tl.exp(lgS_t - lgS) + a2))
         ref = tl.where(a2 == 0.0, lgS, lgS_t)
+        if IN_PLACE:
+            kk2 = tl.arange(0, BLOCK_K)
+            xk_row = xk_ptr + row * (K + 1)
+            raw = tl.load(x_row + tl.where(valid, ids, 0), mask=valid, other=0.0)
+            tl.store(xk_row + kk2, raw.to(tl.float32), mask=kk2 < K)
+            if DISTILL:
+                has_y = active & (label >= 0) & (label < V)
+                xy = tl.load(x_row + tl.where(has_y, label, 0), mask=has_y, other=0.0)
+                tl.store(xk_row + K, xy.to(tl.float32))
+            tl.debug_barrier()  # the row's scattered logits read before it is overwritten
         _kd_write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x,
                         tl.where(u == 0.0, 0.0, ref), 1.0, a, c, u, inv_temp, softcap, 0, V,
                         kept0, kept1, "evict_first", BLOCK_V, ALIGN, True, DISTILL, True,
@@ -521,8 +541,8 @@ def _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, i
 @triton.jit
 def tail_ids_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K], labels [N], tail_fwd_kernel's stats
-    # [N, TAIL_FIELDS] and grad [N, V] (aliased to the output)
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_in_ptr,
+    # [N, TAIL_FIELDS], grad [N, V] (aliased to the output) and (FROM_XK) xk [N, K + 1]
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_in_ptr, xk_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
     # outputs (in place)
@@ -530,29 +550,31 @@ def tail_ids_kernel(
     # constexprs
     BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr, FROM_XK: tl.constexpr,
 ):
     """Grid (N,), after tail_fwd_kernel with WRITE_GRAD, in place: the gradient's id and label
     columns over its dense part (many small programs per SM overlap the gathers and the
-    scattered stores that stalled the row walk's one program per SM: kd_ids_kernel)."""
+    scattered stores that stalled the row walk's one program per SM: kd_ids_kernel). FROM_XK
+    (the gradient overwrote the logits): the logits at the ids and label from xk."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, 0, V, BLOCK_K, K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING,
-              HAS_ZLOSS, False, 0, 0)
+              log_1mb, 0, V, xk_ptr + row * (K + 1), BLOCK_K, K_CHUNK, DISTILL, JSD,
+              HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, False, 0, 0, FROM_XK)
 
 
 @triton.jit
 def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, start, stop, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+              log_1mb, start, stop, xk_row, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
               DISTILL: tl.constexpr, JSD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, DENSE: tl.constexpr,
-              BLOCK_V: tl.constexpr, ALIGN: tl.constexpr):
+              BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FROM_XK: tl.constexpr):
     """The gradient of columns [start, stop) of a row from its statistics: (DENSE) the dense
-    part, then, after a barrier, the id and label columns (without DENSE: only those)."""
+    part, then, after a barrier, the id and label columns (without DENSE: only those); with
+    FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats)."""
     (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b,
      c) = _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, inv_temp,
                      DISTILL, HAS_ZLOSS)
@@ -564,11 +586,16 @@ def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr
     x_row = logits_ptr + row * stride_row
     ids, valid, lp, _p = _entries(ids_ptr, logprobs_ptr, row, V, K, active,
                                   tl.arange(0, BLOCK_K))
-    zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    if FROM_XK:
+        kk = tl.arange(0, BLOCK_K)
+        zk, dzk = load_z(xk_row, kk, kk < K, softcap, HAS_SOFTCAP, "", True)
+        zk = tl.where(valid, zk, 0.0)  # as _gather
+    else:
+        zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
     _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
                valid, lp, zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b,
-               c, inv_temp, beta, log_b, log_1mb, softcap, start, stop, BLOCK_K, K_CHUNK,
-               DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING)
+               c, inv_temp, beta, log_b, log_1mb, softcap, start, stop, xk_row + K, BLOCK_K,
+               K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, FROM_XK)
 
 
 @triton.jit
@@ -594,8 +621,8 @@ def tail_bwd_kernel(
     start = tl.program_id(1) * SPLIT_V
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, start, tl.minimum(start + SPLIT_V, V), BLOCK_K, K_CHUNK, DISTILL, JSD,
-              HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True, BLOCK_V, ALIGN)
+              log_1mb, start, tl.minimum(start + SPLIT_V, V), logprobs_ptr, BLOCK_K, K_CHUNK,
+              DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True, BLOCK_V, ALIGN, False)
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -619,16 +646,18 @@ def _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, be
 def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence: str,
                   beta: float, distill: bool, ignore_index: int, write_grad: bool,
                   smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
-                  num_sms: int = launch.DEFAULT_NUM_SMS, itemsize: int = 0) -> Plan:
+                  num_sms: int = launch.DEFAULT_NUM_SMS, itemsize: int = 0,
+                  in_place: bool = False) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, TAIL_FIELDS] (and grad, the
-    unit-cotangent gradient, with write_grad): one program per row walks its
+    unit-cotangent gradient, with write_grad; with in_place written over x, for logits that
+    are dead after the call: the LM head's chunks): one program per row walks its
     vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
     with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
     TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
     exponential a logit; few rows take the same walk, one program a row); then
     tail_ids_kernel writes the id and label columns. The walk's id bitmaps live in the
-    gradient's rows where they fit (write_grad, `itemsize` known), else in an int32
-    [N, ceil(V / 32)] buffer of their own (N * V / 8 bytes)."""
+    gradient's rows where they fit (write_grad, `itemsize` known, not in_place), else in an
+    int32 [N, ceil(V / 32)] buffer of their own (N * V / 8 bytes)."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
     share = temperature == 1.0
     exps = 1 if share or not distill else 2
@@ -642,22 +671,29 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
     scalars = _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta)
     align = vocab_align(vocab)
     words = triton.cdiv(vocab, 32)
-    in_grad = write_grad and itemsize > 0 and vocab * itemsize >= 4 * words + 3
+    in_place = in_place and write_grad
+    in_grad = (write_grad and not in_place and itemsize > 0
+               and vocab * itemsize >= 4 * words + 3)
     bitmap = placeholder("bitmap", "int32") if in_grad else Buf("bitmap", (n, words), "int32")
+    xk = Buf("xk", (n, k + 1), "float32") if in_place else placeholder("xk")
     launches = [Launch(
         tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale"), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad,
-         bitmap),
+         bitmap, xk),
         warps,
         dict(BLOCK_V=block_v, SHARE_EXP=share, WRITE_GRAD=write_grad, ALIGN=align,
              PREFETCH=prefetch and write_grad, KEEP=keep if write_grad else 0,
-             BITMAP_IN_GRAD=in_grad,
-             ZERO_BLOCK=min(BITMAP_ZERO_BLOCK, triton.next_power_of_2(words)), **flags))]
+             BITMAP_IN_GRAD=in_grad, IN_PLACE=in_place,
+             ZERO_BLOCK=min(BITMAP_ZERO_BLOCK, triton.next_power_of_2(words)), **flags),
+        aliases=((0, 2),) if in_place else ())]
     if write_grad:
+        # in place the logits are gone: the ids' and label's come from xk
+        logits = Zeros((1,), LOGITS) if in_place else "x"
         launches.append(Launch(
-            tail_ids_kernel, (n,), ("x", "ids", "lp", "y", "stats", "grad"), scalars,
-            (Buf("grad", (n, vocab), LOGITS),), KD_IDS_WARPS, dict(ALIGN=align, **flags),
-            aliases=((5, 0),), partial_alias=True))
+            tail_ids_kernel, (n,), (logits, "ids", "lp", "y", "stats", "grad", "xk"), scalars,
+            (Buf("grad", (n, vocab), LOGITS),), KD_IDS_WARPS,
+            dict(ALIGN=align, FROM_XK=in_place, **flags), aliases=((5, 0),),
+            partial_alias=True))
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
 
 
