@@ -64,12 +64,13 @@ TAIL_FIELDS = tl.constexpr(10)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
 BITMAP_ZERO_BLOCK = 1024  # int32 words of the id bitmap _mark_ids zeroes at once
 # Whole tiles tail_fwd_kernel's walk keeps in registers for its gradient pass (as
-# launch.KD_KEEP_VOCAB; rows of one exponential a logit only): none. Kept tiles spill (Triton
-# 3.9 for sm_90, bf16 V=128256, 32 warps, i.e. at most 64 registers a thread: 24 bytes of
-# stack at KEEP=1, 72 at KEEP=2), while the prefetch instead takes 48 registers and no stack
-# (launch.PREFETCH_MIN_VOCAB). Measured (H200, bf16, N=8192, V=128256, K=64, fwd+bwd, with
-# the id bitmap): {2: (120_000, 1 << 62)}, one kept tile, 1.885 ms against 1.809 without.
-TAIL_KEEP_VOCAB = {}
+# launch.KD_KEEP_VOCAB; rows of one exponential a logit only), per itemsize: the vocabulary
+# from which one, then two, are kept (the prefetch is off then). Measured on H100, bf16,
+# N=8192, V=128256, K=64, fwd+bwd of kd_loss tail / jsd / distill_loss tail, ms, since the walk
+# sums the tail alone (A/B/A in separate processes): none 2.084 / 2.123 / 2.246, one 2.090 /
+# 2.125 / 2.240, two 1.928 / 1.951 / 2.076 (H200, before that change: one tile 1.885 against
+# 1.809 without). Below V=120000 nothing was measured: none.
+TAIL_KEEP_VOCAB = {2: (120_000, 120_000)}
 
 
 @triton.jit
