@@ -188,27 +188,10 @@ def _assemble(impl, fwd, fwd_grad, bwd, fwd_vp, bwd_vp) -> dict[str, _sharding.R
     )
 
 
-def teacher_duplicates(ids, lp, vocab: int):
-    """(dsum, dcnt), float32 [N, K]: at the first entry of a row listing an id in [0, vocab),
-    the sum of exp(lp) over the row's entries listing it and their count; 0 at every other
-    entry. One fused [N, K, K] comparison in XLA (tail_fwd_kernel reads them)."""
-    ok = (ids >= 0) & (ids < vocab)
-    p = jnp.where(ok, jnp.exp(lp.astype(jnp.float32)), 0.0)
-    same = (ids[:, :, None] == ids[:, None, :]) & ok[:, None, :]
-    k = ids.shape[-1]
-    earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]  # [k, j]: j before k
-    first = ok & ~jnp.any(same & earlier, axis=-1)
-    dsum = jnp.sum(jnp.where(same, p[:, None, :], 0.0), axis=-1)
-    dcnt = jnp.sum(same, axis=-1).astype(jnp.float32)
-    return jnp.where(first, dsum, 0.0), jnp.where(first, dcnt, 0.0)
-
-
 def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool):
     """Per-row (loss, stats) of the tail forms and, if write_grad, the unit-cotangent gradient:
-    kd_tail.tail_fwd_plan (the teacher's duplicates summed here first)."""
+    kd_tail.tail_fwd_plan."""
     from jax_fusedloss.kernels import kd_tail
-
-    dsum, dcnt = teacher_duplicates(ids, lp, x.shape[-1])
 
     def plan(n, vocab):
         return kd_tail.tail_fwd_plan(n, vocab, ids.shape[-1], write_grad=write_grad,
@@ -216,8 +199,8 @@ def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                                      in_place=write_grad and opts.in_place,
                                      **_tail_kernel_options(opts))
 
-    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale", "dsum", "dcnt"),
-                                x, ids, lp, y, row_scale, dsum, dcnt)
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "row_scale"), x, ids, lp, y,
+                                row_scale)
 
 
 def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions):

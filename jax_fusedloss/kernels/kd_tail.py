@@ -388,8 +388,8 @@ def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, val
 @triton.jit
 def tail_fwd_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K] (-1: no entry), labels [N], row_scale
-    # [N, 2] = (ce, kd), the duplicates' sums [N, K] (teacher_duplicates: dsum, dcnt)
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, dsum_ptr, dcnt_ptr,
+    # [N, 2] = (ce, kd)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
     # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD; with IN_PLACE the
@@ -411,9 +411,7 @@ def tail_fwd_kernel(
     the gradient are tail_ids_kernel's (a launch of its own, as kd_ids_kernel). The walk's id
     bitmap (_mark_ids) is at the first 4-byte boundary of the row's gradient with
     BITMAP_IN_GRAD (the dense pass, after a barrier, overwrites it), else in bitmap_ptr.
-    The duplicates' sums come precomputed (teacher_duplicates, in XLA: the [K, K] scan of
-    each row's ids kept the row's one program an SM waiting). IN_PLACE: the gradient
-    overwrites the logits (aliased), so the raw logits at the ids and
+    IN_PLACE: the gradient overwrites the logits (aliased), so the raw logits at the ids and
     the label go to xk for tail_ids_kernel, and a barrier separates every read of the row's
     scattered logits from the gradient pass."""
     V = hint_multiple(V, ALIGN)
@@ -423,8 +421,6 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
-    sum_p = tl.load(dsum_ptr + row * K + kk, mask=kk < K, other=0.0)
-    count = tl.load(dcnt_ptr + row * K + kk, mask=kk < K, other=0.0)
     if BITMAP_IN_GRAD:
         ITEM: tl.constexpr = grad_ptr.dtype.element_ty.primitive_bitwidth // 8
         g8 = (grad_ptr + row * V).to(tl.pointer_type(tl.int8))
@@ -438,7 +434,9 @@ def tail_fwd_kernel(
         "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP, ZERO_BLOCK)
     if BITMAP_IN_GRAD:
         tl.debug_barrier()  # every thread's bitmap reads before the dense pass overwrites it
-    first = valid & (count > 0.0)
+    sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
+                                       K_CHUNK)
+    first = valid & (before == 0.0)
     # the whole row from its tail and its distinct ids, relative to r: S = S_t + S_D, sums of
     # positive terms (no cancellation); m the row's max (NaN and +inf as the walk's would be)
     m = tl.maximum(m_t, tl.max(tl.where(first, zk, float("-inf")), axis=0))
@@ -651,8 +649,7 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                   smoothing: float = 0.0, z_loss: float = 0.0, softcap: float | None = None,
                   num_sms: int = launch.DEFAULT_NUM_SMS, itemsize: int = 0,
                   in_place: bool = False) -> Plan:
-    """x, ids, lp, y, row_scale [N, 2], dsum, dcnt [N, K] (teacher_duplicates) -> loss, stats
-    [N, TAIL_FIELDS] (and grad, the
+    """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, TAIL_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad; with in_place written over x, for logits that
     are dead after the call: the LM head's chunks): one program per row walks its
     vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
@@ -681,7 +678,7 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
     bitmap = placeholder("bitmap", "int32") if in_grad else Buf("bitmap", (n, words), "int32")
     xk = Buf("xk", (n, k + 1), "float32") if in_place else placeholder("xk")
     launches = [Launch(
-        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "dsum", "dcnt"), scalars,
+        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale"), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad,
          bitmap, xk),
         warps,
