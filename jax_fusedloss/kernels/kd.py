@@ -97,6 +97,15 @@ def _gather(x_row, ids, valid, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def save_label_logit(x_row, xk_row, label, active, V, K):
+    """Stores the row's raw logit at its label in xk_row[K] (0 for an inactive row or a label
+    outside [0, V)): the id launch reads it there once the gradient overwrote the logits."""
+    has_y = active & (label >= 0) & (label < V)
+    xy = tl.load(x_row + tl.where(has_y, label, 0), mask=has_y, other=0.0)
+    tl.store(xk_row + K, xy.to(tl.float32))
+
+
+@triton.jit
 def _log_sum(s, lse):
     """log(s) of a softmax sum, 0 for an empty one (s == 0), NaN where its lse is NaN (the
     NaN/+inf policy: a NaN row gradient)."""
@@ -431,9 +440,7 @@ def kd_fwd_kernel(
         if WALK_GATHER:
             xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)
             if DISTILL:
-                has_y = active & (label >= 0) & (label < V)
-                xy = tl.load(x_row + tl.where(has_y, label, 0), mask=has_y, other=0.0)
-                tl.store(xk_row + K, xy.to(tl.float32))
+                save_label_logit(x_row, xk_row, label, active, V, K)
             if IN_PLACE:
                 tl.store(xk_row + kk, xk.to(tl.float32), mask=kk < K)
                 tl.debug_barrier()  # the row's gathered logits read before it is overwritten

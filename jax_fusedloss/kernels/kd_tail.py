@@ -24,9 +24,10 @@ r: sums of positive terms, nothing subtracted. The mask is a bitmap of the row's
 (one bit a column of the aligned span) that the row's program builds before its walk
 (_mark_ids: zero it, one atomic or an id, a barrier each) and reads back one byte a thread
 row of each tile, prefetched with the tile (_tile_bits): no per-column search, no sorted
-ids. The bitmap lives in the row's own gradient buffer, which
-the dense gradient pass overwrites after a barrier (the fused forward; a separate int32
-[N, ceil(V / 32)] buffer for the statistics-only forward, or rows too short to hold it).
+ids. The bitmap lives in the row's own gradient buffer, which the dense gradient pass
+overwrites after a barrier (the fused forward), else in an int32 [N, ceil(V / 32)] buffer
+(the statistics-only forward, a gradient written over the logits, rows too short to hold
+it).
 The edge tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
 
 With G_b = dF/dQ_b and C = sum_b G_b Q_b the gradient w.r.t. s_j is q_j (G_b(j) - C): on a tail
@@ -51,7 +52,8 @@ from jax_fusedloss.kernels._ce_core import (ce_coefs, load_raw, load_z,
 from jax_fusedloss.kernels._online import (LOG2E, edge_tile, hint_multiple, lse_parts,
                                            merge_stats, poison_inf, safe_max, span_ptr,
                                            vector_span)
-from jax_fusedloss.kernels.kd import DUP_CHUNK, _entries, _gather, _row_state, distill_ce
+from jax_fusedloss.kernels.kd import (DUP_CHUNK, _entries, _gather, _row_state, distill_ce,
+                                      save_label_logit)
 from jax_fusedloss.kernels.kd import _write_dense as _kd_write_dense
 from jax_fusedloss.kernels.launch import (FWD_TILE_ELEMS, GRAD_TILE_ELEMS, KD_IDS_WARPS,
                                           _tile, row_config, vocab_align)
@@ -427,7 +429,9 @@ def tail_fwd_kernel(
         bitmap = (g8 + (4 - (row * V * ITEM) % 4) % 4).to(tl.pointer_type(tl.int32))
     else:
         bitmap = bitmap_ptr + row * tl.cdiv(V, 32)
-    zk, _dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
+    xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)  # raw: kept for IN_PLACE
+    zk, _ = to_z(xk, valid, softcap, HAS_SOFTCAP, True)
+    zk = tl.where(valid, zk, 0.0)  # as _gather
     m_t, s_t, s_xt, sumz, kept0, kept1 = _tail_stats(
         logits_ptr, row * stride_row, V, bitmap, tl.where(valid, ids, -1), softcap, inv_temp,
         BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING,
@@ -504,14 +508,10 @@ def tail_fwd_kernel(
         u = tl.where(a2 == 0.0, kd_a * a1, kd_a * (a1 * tl.exp(lgS_t - lgS) + a2))
         ref = tl.where(a2 == 0.0, lgS, lgS_t)
         if IN_PLACE:
-            kk2 = tl.arange(0, BLOCK_K)
             xk_row = xk_ptr + row * (K + 1)
-            raw = tl.load(x_row + tl.where(valid, ids, 0), mask=valid, other=0.0)
-            tl.store(xk_row + kk2, raw.to(tl.float32), mask=kk2 < K)
+            tl.store(xk_row + kk, xk.to(tl.float32), mask=kk < K)
             if DISTILL:
-                has_y = active & (label >= 0) & (label < V)
-                xy = tl.load(x_row + tl.where(has_y, label, 0), mask=has_y, other=0.0)
-                tl.store(xk_row + K, xy.to(tl.float32))
+                save_label_logit(x_row, xk_row, label, active, V, K)
             tl.debug_barrier()  # the row's scattered logits read before it is overwritten
         _kd_write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, lg_x,
                         tl.where(u == 0.0, 0.0, ref), 1.0, a, c, u, inv_temp, softcap, 0, V,
