@@ -13,6 +13,8 @@ Shape: N=8192 tokens, D=4096, V=151936 (Qwen's vocabulary), bf16, weight `[D, V]
 - "fwd+bwd": the gradient (dH, dW) of `sum(a * logp + b * entropy)` with random per-token a,
   b (what a PPO/GRPO loss sends back): ours in each mode and its XLA twin, XLA naive, torch
   naive and torch_ref, against the three bare matmuls (`h W`, `G W^T`, `h^T G` with G given);
+  "fwd+bwd-logp": the same for `sum(a * logp)` (no entropy: "lean" computes dH in its
+  forward), ours "fast" and "lean" and XLA naive, against the same floor;
 - "ce": value_and_grad of `cross_entropy` on `[N, V]` logits without and with `weights=`
   (per-token weights folded into the fused gradient: the two should match).
 Time: median / 20th / 80th percentile ms of the host wall of the jitted call in a loop
@@ -102,6 +104,12 @@ def _jax_cases(n, d, v, dtype, layout):
     cases["fwd+bwd", "ours-xla-fast"] = (objective(lambda h, w: ours(h, w, True, "fast", "xla")),
                                          (h, w))
     cases["fwd+bwd", "xla-naive"] = (objective(lambda h, w: naive(h, w, True)), (h, w))
+    # log-probs alone (a GRPO loss without an entropy bonus): "lean" keeps dH in the forward
+    for mode in ("fast", "lean"):
+        cases["fwd+bwd-logp", f"ours-{mode}"] = (objective(
+            lambda h, w, mode=mode: (ours(h, w, False, mode), 0.0)), (h, w))
+    cases["fwd+bwd-logp", "xla-naive"] = (objective(lambda h, w: (naive(h, w, False), 0.0)),
+                                          (h, w))
     x = normal((n, v), 2.0)
     wt = normal((n,), 1.0, "float32")
     cases["ce", "ours-unweighted"] = (jax.jit(jax.value_and_grad(
@@ -177,7 +185,7 @@ def _ratios(rows) -> None:
     floors = {r["pass"]: r["median_ms"] for r in rows if r["impl"] in (
         "matmul-floor", "matmuls-floor")}
     for r in rows:
-        floor = floors.get(r["pass"])
+        floor = floors.get(r["pass"].removesuffix("-logp"))
         r["ratio_to_floor"] = None if floor is None or r["pass"] == "ce" else (
             r["median_ms"] / floor)
 

@@ -61,6 +61,9 @@ class _LinearKD(_lm_head.HeadOp):
     def per_row_cotangent(self):
         return self.opts.reduction == "none"
 
+    def row_cotangent_scales(self):
+        return True  # one output, the loss (per token with reduction="none")
+
     def bwd_rows(self, aux, stats, cts):
         ids, lp, y, _ = aux
         n = ids.shape[0]

@@ -26,11 +26,14 @@ logits op runs through `_op`). Everything else is written once here:
   in (four matmuls in all). No weight-sized temporary and dW exact to float32 accumulation;
   the price is the fourth matmul.
   float16 inputs and per-token cotangents (a loss per token, a differentiable lse) never take
-  the gradient-in-forward walk: a gradient for a unit cotangent rounded to float16 flushes
-  entries a loss scale would have saved, and a per-token cotangent cannot be folded into dW
-  afterwards. There the forward keeps statistics and the backward recomputes with the
-  cotangent folded in: the token walk with dW summed in float32 ("fast") or the weight's
-  dtype ("low_precision"), the vocabulary walk with dH summed in float32 as well ("lean").
+  the gradient-in-forward walk of "fast" and "low_precision": a gradient for a unit cotangent
+  rounded to float16 flushes entries a loss scale would have saved, and a per-token cotangent
+  cannot be folded into dW afterwards. There the forward keeps statistics and the backward
+  recomputes with the cotangent folded in: the token walk with dW summed in float32 ("fast")
+  or the weight's dtype ("low_precision"), the vocabulary walk with dH summed in float32 as
+  well ("lean"). "lean" keeps dH in the forward under a per-token cotangent that only scales
+  each row's gradient (`HeadOp.row_cotangent_scales`: a loss per token without its lse): its
+  backward scales dH's rows and folds the cotangent into the vocabulary walk's dW.
 - **Partitioning** (`_sharding.call_dims`, one custom_partitioning rule over named dimensions
   "n d, d v, v, n... -> ..."): with the tokens of `hidden` sharded each device walks its own
   tokens and dW/db are summed across the token axes in the weight's dtype (a weight-sized
@@ -92,6 +95,19 @@ class HeadOp:
         """Whether the outputs' cotangents differ per row (no gradient in the forward)."""
         raise NotImplementedError
 
+    def row_cotangent_scales(self) -> bool:
+        """Whether a per-row cotangent only scales each row's unit-cotangent gradient (one
+        differentiable per-row output, e.g. a loss per token): then "lean" still computes dH
+        in the forward and its backward scales the rows. False where two outputs' cotangents
+        mix (a loss and its lse, log-probs and entropy)."""
+        return False
+
+    def dh_cotangent(self, aux: tuple, cts) -> jax.Array:
+        """The factor (a scalar or one per row) by which the backward scales the forward's
+        dH: the first output's cotangent."""
+        del aux
+        return cts[0].astype(jnp.float32)
+
     def bwd_rows(self, aux: tuple, stats: tuple, cts) -> tuple:
         """The `[N, ...]` arrays of the backward row function, cotangents folded in."""
         raise NotImplementedError
@@ -127,7 +143,11 @@ def check_head(hidden, weight, bias, weight_layout: str) -> int:
 def fuses_grad(op: HeadOp, dtype) -> bool:
     """Whether the forward computes gradients for a unit cotangent (all three in "fast" and
     "low_precision", dH alone in "lean"; see the module doc)."""
-    return not op.per_row_cotangent() and jnp.dtype(dtype) != jnp.float16
+    if jnp.dtype(dtype) == jnp.float16:
+        return False
+    if op.head.mode == "lean" and op.row_cotangent_scales():
+        return True
+    return not op.per_row_cotangent()
 
 
 def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
@@ -208,6 +228,13 @@ def _zeros(shape, dtype, vma):
     return _sharding._pcast_to(jnp.zeros(shape, dtype), frozenset(vma))
 
 
+def _unset(shape, dtype, vma):
+    """A buffer every element of which the walk writes before it is read (the vocabulary
+    walk's dW): `lax.empty`, an uninitialised allocation on a GPU (zeros elsewhere). A zero
+    fill there cost a dW-sized write (H100, bf16, D=4096, V=128256: 0.6 ms of "lean")."""
+    return _sharding._pcast_to(jax.lax.empty(shape, dtype), frozenset(vma))
+
+
 def _vma(*arrays) -> frozenset:
     return frozenset().union(*(_sharding.varying_axes(a) for a in arrays if a is not None))
 
@@ -246,7 +273,7 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
     n_stats = len(op.stat_shapes()) if spec.stats else 0
     init = tuple(_zeros((n,) + s, f32, row_vma) for s in op.stat_shapes()) if spec.stats else ()
     dw_dtype = f32 if head.mode == "fast" else w.dtype
-    init += (_zeros(h.shape, h.dtype, vma) if spec.dh else None,
+    init += (_unset(h.shape, h.dtype, vma) if spec.dh else None,  # every chunk writes its rows
              _zeros(w.shape, dw_dtype, vma) if spec.dw else None,
              _zeros(b.shape, f32, vma) if spec.dw and b is not None else None)
 
@@ -281,7 +308,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     vocab = w.shape[vdim]
     vma = _vma(h, w, b, *rows)
     first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
-    init = (_zeros(h.shape, f32, vma) if with_dh else None, _zeros(w.shape, w.dtype, vma),
+    init = (_zeros(h.shape, f32, vma) if with_dh else None, _unset(w.shape, w.dtype, vma),
             None if b is None else _zeros(b.shape, f32, vma))
     chunk = min(head.block_rows, n)
 
@@ -386,14 +413,16 @@ def _run(role: str, op: HeadOp, h, w, b, *rows):
 
 # ----------------------------------------------------------------------------- custom_vjp
 def _scale(g, cot, impl: str):
-    """A saved unit-cotangent gradient times the scalar cotangent, in g's dtype. With Triton
-    on a GPU the rows are rescaled in place (untouched when the cotangent is 1: a loss that is
-    the program's output costs nothing), so the saved buffer becomes the returned one."""
+    """A saved unit-cotangent gradient times the cotangent (a scalar, or one per row of g), in
+    g's dtype. With Triton on a GPU the rows are rescaled in place (untouched where the
+    cotangent is 1: a loss that is the program's output costs nothing), so the saved buffer
+    becomes the returned one."""
     if g is None:
         return None
     if impl == "triton" and g.ndim == 2 and _triton_jax.on_cuda_gpu():
         cots = jnp.broadcast_to(cot, g.shape[:1]).astype(jnp.float32)
         return _sharding.call_rows(scale_row_fns("triton"), None, g, cots)[0]
+    cot = cot.reshape(cot.shape + (1,) * (g.ndim - cot.ndim))
     return (g.astype(jnp.float32) * cot).astype(g.dtype)
 
 
@@ -443,7 +472,7 @@ def _head_bwd(op: HeadOp, res, cts):
     rows = op.bwd_rows(aux, stats, cts)
     if role == "fwd_dh":  # "lean": dH from the forward, scaled; dW (and db) by the vocab walk
         _, dw, db = _run("bwd_dw", op, h, w, b, *rows)
-        dh = _scale(grads[0], cts[0].astype(jnp.float32), impl)
+        dh = _scale(grads[0], op.dh_cotangent(aux, cts), impl)
         return _finish((dh, dw, db), h, w, b) + zero_aux
     walk = "bwd_lean" if op.head.mode == "lean" else "bwd"
     return _finish(_run(walk, op, h, w, b, *rows), h, w, b) + zero_aux

@@ -55,6 +55,9 @@ class _LinearCE(_lm_head.HeadOp):
     def per_row_cotangent(self):
         return self.opts.reduction == "none" or self.opts.return_lse
 
+    def row_cotangent_scales(self):
+        return not self.opts.return_lse  # the lse's cotangent would add a softmax term
+
     def bwd_rows(self, aux, stats, cts):
         (y, *_), (_, lse, coef) = aux, stats
         cot = _row_cotangent(cts[0], y.shape[0], self.opts)
@@ -116,10 +119,11 @@ def linear_cross_entropy(
     matmuls per chunk: logits, `g W^T`, `h^T g`) and the backward scales them; "lean" computes
     dH so in the forward (two matmuls per chunk), keeps per-row statistics, and its backward
     walks blocks of vocabulary columns over all tokens, writing each block of dW once. float16
-    inputs, `reduction="none"` and `return_lse=True`
-    (per-token cotangents) recompute the logits in the backward in every mode, with the
-    cotangent applied before anything is rounded to float16 (no entry a loss scale would save
-    is flushed). Measured numbers: the README's LM-head table and the docs' performance page.
+    inputs, `reduction="none"` and `return_lse=True` (per-token cotangents) recompute the
+    logits in the backward, with the cotangent applied before anything is rounded to float16
+    (no entry a loss scale would save is flushed); "lean" with `reduction="none"` in bfloat16
+    or float32 keeps its forward dH (each row scaled by its cotangent in the backward).
+    Measured numbers: the README's LM-head table and the docs' performance page.
 
     Args:
       hidden: `[..., D]` float32, bfloat16 or float16.

@@ -43,8 +43,9 @@ def linear_kd_loss(
     mask and weights get none). `mode`, `chunk_size`, `weight_layout`, `bias` and
     `vocab_axis` mean what they mean in `linear_cross_entropy`: "fast" (gradients for a unit
     cotangent in the forward, dW summed in float32), "low_precision" (dW summed in the
-    weight's dtype), "lean" (statistics only; the backward walks vocabulary blocks, four
-    matmuls). `reduction="none"` and float16 inputs recompute in the backward.
+    weight's dtype), "lean" (statistics and dH in the forward; the backward walks vocabulary
+    blocks for dW, four matmuls). float16 inputs, and `reduction="none"` outside "lean",
+    recompute in the backward.
 
     Args:
       hidden: `[..., D]` float32, bfloat16 or float16.

@@ -6,7 +6,13 @@ cotangents and the label shift of the vocabulary walk, and the public function.
 The cotangents of RL losses (PPO, GRPO: nonlinear functions of the log-probs) differ per token
 and are known only in the backward, so the forward keeps per-row statistics (lse and its low
 part, the entropy) and the backward recomputes the logits with the cotangents folded in: the
-token walk ("fast", "low_precision") or the vocabulary walk ("lean").
+token walk ("fast", "low_precision") or the vocabulary walk ("lean"). One exception: "lean"
+log-probs alone at temperature 1 (a GRPO loss without an entropy bonus). There a token's
+cotangent only scales its row's gradient `onehot - softmax`, which is minus the gradient of
+the token's cross-entropy, so the forward runs cross-entropy's fused row function (statistics
+and the gradient written over the chunk's logits) and computes dH for a unit cotangent as
+`linear_cross_entropy` does; the backward scales dH's rows by minus the cotangents and walks
+the vocabulary for dW alone (no float32 `[N, D]` sum).
 """
 from __future__ import annotations
 
@@ -15,10 +21,34 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_fusedloss import _common, _lm_head
+from jax_fusedloss import _common, _lm_head, _sharding
 from jax_fusedloss._lm_head import DEFAULT_MODE, MODES
+from jax_fusedloss.cross_entropy import CEOptions
+from jax_fusedloss.cross_entropy import _row_fns as _ce_row_fns
 from jax_fusedloss.linear_cross_entropy import _check_inputs
 from jax_fusedloss.reductions import RedOptions, _row_fns
+
+
+def _logprob_grad_fns(opts: RedOptions, impl: str) -> _sharding.RowFns:
+    """The lean forward's row function for log-probs alone at temperature 1: cross-entropy's
+    fused one (labels -1, out of range, are its ignored rows: loss 0, gradient 0), its outputs
+    mapped to this op's statistics (lse, logp, lse_lo) and its gradient `softmax - onehot`
+    (minus the log-prob's; `dh_cotangent` flips the sign)."""
+    ce = _ce_row_fns(CEOptions(ignore_index=-1, reduction="none", smoothing=0.0, z_loss=0.0,
+                               softcap=None, return_lse=False, implementation=impl,
+                               vocab_axis=opts.vocab_axis, in_place=True), impl)["fwd_grad"]
+
+    def stats(y, outs):
+        loss, lse, coef, g = outs
+        return lse, jnp.where(y < 0, jnp.nan, -loss), coef[:, 3], g
+
+    def local(z, y):
+        return stats(y, ce.local(z, y, jnp.ones(y.shape, jnp.float32)))
+
+    def vocab_parallel(z, y, axes):
+        return stats(y, ce.vocab_parallel(z, y, jnp.ones(y.shape, jnp.float32), axes=axes))
+
+    return _sharding.RowFns(local, vocab_parallel, ce.out_kinds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +59,11 @@ class _LinearLogprobs(_lm_head.HeadOp):
     maps every such label there)."""
 
     def row_fns(self, impl):
-        return _row_fns(self.opts._replace(implementation=impl), impl, True)
+        opts = self.opts._replace(implementation=impl)
+        fns = _row_fns(opts, impl, True)
+        if self.row_cotangent_scales():
+            fns = dict(fns, fwd_grad=_logprob_grad_fns(opts, impl))
+        return fns
 
     def row_inputs(self, y):
         return (y,)
@@ -42,6 +76,15 @@ class _LinearLogprobs(_lm_head.HeadOp):
 
     def per_row_cotangent(self):
         return True
+
+    def row_cotangent_scales(self):
+        return not self.opts.entropy and self.opts.temperature == 1.0
+
+    def dh_cotangent(self, aux, cts):
+        (y,) = aux
+        g = cts[0].astype(jnp.float32)
+        # minus: the forward's dH is cross-entropy's; NaN rows as the recompute's (bwd_rows)
+        return jnp.where((y < 0) & (g != 0), jnp.nan, -g)
 
     def bwd_rows(self, aux, stats, cts):
         (y,) = aux
@@ -96,7 +139,9 @@ def linear_token_logprobs(
     only per-token statistics; the backward recomputes the logits with the cotangents folded
     in (four matmuls in all), walking token chunks ("fast": dW summed in float32;
     "low_precision": in the weight's dtype) or vocabulary blocks ("lean": dW exact to float32
-    accumulation, no weight-sized temporary). Without `return_entropy` nothing of the entropy
+    accumulation, no weight-sized temporary). "lean" without the entropy at temperature 1
+    computes dH in the forward instead (for a unit cotangent, each row scaled by its cotangent
+    in the backward: no float32 `[N, D]` sum). Without `return_entropy` nothing of the entropy
     is computed.
 
     Per-token weights have no option here: the outputs are per token, so multiply them (the

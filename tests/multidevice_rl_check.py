@@ -21,17 +21,21 @@ CHUNK = check.CHUNK
 def cases():
     """name -> (layout, with bias, objective(h, w, b, aux, impl, vocab_axis, reduction))."""
 
-    def logprobs(layout, mode):
+    def logprobs(layout, mode, entropy=True):
         def loss(h, w, b, a, impl, va, red):
             del red  # a sum over this device's tokens either way
-            logp, ent = jfl.linear_token_logprobs(
-                h, w, a[0], bias=b, weight_layout=layout, temperature=0.8, return_entropy=True,
-                chunk_size=CHUNK, implementation=impl, vocab_axis=va, mode=mode)
+            out = jfl.linear_token_logprobs(
+                h, w, a[0], bias=b, weight_layout=layout, temperature=0.8 if entropy else 1.0,
+                return_entropy=entropy, chunk_size=CHUNK, implementation=impl, vocab_axis=va,
+                mode=mode)
+            logp, ent = out if entropy else (out, jnp.zeros_like(out))
             return jnp.sum(jnp.where(a[0] >= 0, logp, 0.0) * a[1]) + jnp.sum(ent * a[2])
         return loss
 
+    # "rl_dv_lean_logp": log-probs alone at temperature 1, lean's dH in the forward
     return {"rl_dv_bias_fast": ("dv", True, logprobs("dv", "fast")),
             "rl_vd_lean": ("vd", False, logprobs("vd", "lean")),
+            "rl_dv_lean_logp": ("dv", True, logprobs("dv", "lean", entropy=False)),
             "rl_dv_low_precision": ("dv", False, logprobs("dv", "low_precision"))}
 
 

@@ -166,6 +166,7 @@ CASES = {
     "dv-none-lse": ("dv", False, (21,), 7, dict(reduction="none", return_lse=True)),
     "vd-low-precision": ("vd", True, (21,), 4, dict(mode="low_precision")),
     "dv-lean-bias-smoothing": ("dv", True, (21,), 3, dict(mode="lean", label_smoothing=0.1)),
+    "dv-lean-none": ("dv", False, (21,), 8, dict(mode="lean", reduction="none")),
     "vd-lean-combined-none-lse": ("vd", True, (3, 7), 2,
                                   dict(mode="lean", z_loss=1e-3, logit_softcap=5.0,
                                        reduction="none", return_lse=True)),
@@ -522,25 +523,35 @@ def test_empty_batch():
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])
-@pytest.mark.parametrize("mode", ["fast", "low_precision", "lean"])
+@pytest.mark.parametrize("mode", ["fast", "low_precision", "lean", "lean-none"])
 def test_gpu_real_size_and_memory(mode, layout):
     """Every mode at a real size (compiled kernels, N=4096, D=4096, V=128256, bf16): loss,
     dH and every column of dW against float32 logits autodiff, and XLA's temporaries within
     the mode's budget: one chunk's logits (overwritten by their gradient) plus, for "fast",
     the float32 dW accumulator; for "lean" the block's logits plus dH's float32 accumulator;
-    never a weight-sized bf16 copy beyond the returned gradient."""
+    never a weight-sized bf16 copy beyond the returned gradient. "lean-none": per-token
+    losses under mixed-sign per-token cotangents (dH from the forward, rows scaled)."""
+    per_token = mode == "lean-none"
+    mode = "lean" if per_token else mode
     n, d, vocab = 4096, 4096, 128256
-    k = jax.random.split(jax.random.key(0), 3)
+    k = jax.random.split(jax.random.key(0), 4)
     h = (jax.random.normal(k[0], (n, d), jnp.float32)).astype(jnp.bfloat16)
     w = (jax.random.normal(k[1], (d, vocab), jnp.float32) * 0.02).astype(jnp.bfloat16)
     if layout == "vd":
         w = w.T.copy()
     y = jax.random.randint(k[2], (n,), 0, vocab).at[::7].set(-100)
+    cot = jax.random.normal(k[3], (n,)) if per_token else None
 
     def ours(h, w):
+        if per_token:
+            return jnp.sum(cot * jax_fusedloss.linear_cross_entropy(
+                h, w, y, mode=mode, weight_layout=layout, reduction="none"))
         return jax_fusedloss.linear_cross_entropy(h, w, y, mode=mode, weight_layout=layout)
 
     def naive(h, w):
+        if per_token:
+            return jnp.sum(cot * lce_reference_jax(h, w, y, weight_layout=layout,
+                                                   reduction="none")[0])
         return lce_reference_jax(h, w, y, weight_layout=layout)[0]
 
     fused = jax.jit(jax.value_and_grad(ours, (0, 1)))

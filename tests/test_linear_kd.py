@@ -125,6 +125,7 @@ def test_triton_interpreter_matches_float64(interpreter, fn, mode, vocab):
     ("kd", "fast", dict(tail=True, divergence="jsd", beta=0.3, weighted=True)),
     ("distill", "lean", dict(alpha=0.4, tail=True, temperature=2.0)),
     ("kd", "low_precision", dict(tail=True, reduction="none")),
+    ("kd", "lean", dict(tail=True, divergence="jsd", reduction="none")),
     ("distill", "fast", dict(alpha=0.4, tail=True, label_smoothing=0.1)),
 ])
 def test_triton_tail_interpreter_matches_float64(interpreter, fn, mode, opts):
