@@ -87,13 +87,21 @@ def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
     """The unit-cotangent gradient of a vocabulary slice (rows weighted by stats[:, 3:5]) from
     the merged statistics, through kd_bwd_kernel: no collective (each device gathers the
     logits at the teacher ids in its own slice)."""
+    vocab = x.shape[1]
+    return triton_block_bwd(x, ids, lp, y, stats, opts, _sharding.slice_offset(vocab, axes),
+                            _sharding.global_vocab(vocab, axes))
+
+
+def triton_block_bwd(x, ids, lp, y, stats, opts: KDOptions, off, total: int):
+    """The gradient of the columns `[off, off + V)` of rows of `total` columns (x [N, V]; ids
+    and labels y global; stats the rows' complete statistics with the cotangent folded into
+    the row weights): a device's vocabulary slice, or a block of the LM head's vocabulary
+    walk. Non-tail forms only."""
     from jax_fusedloss.kernels import kd
 
     n, vocab = x.shape
-    off = _sharding.slice_offset(vocab, axes)
     local = ids - off
     ids_local = jnp.where((local >= 0) & (local < vocab), local, -1)  # -1 stays out
-    total = _sharding.global_vocab(vocab, axes)
 
     def plan(rows, v):
         return kd.kd_bwd_plan(rows, v, ids.shape[-1], vocab_total=total,

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax_fusedloss import _common, _lm_head, _sharding, _validate
 from jax_fusedloss._kd_inputs import (check_divergence, check_options, check_teacher_arrays,
                                       row_scales, teacher_rows, token_weights)
-from jax_fusedloss._kd_rows import KDOptions, row_fns, stats_width
+from jax_fusedloss._kd_rows import KDOptions, row_fns, stats_width, triton_block_bwd
 from jax_fusedloss._lm_head import MODES
 from jax_fusedloss._xla import kd as _xla_kd
 from jax_fusedloss._xla import kd_tail as _xla_tail
@@ -38,6 +38,8 @@ class _LinearKD(_lm_head.HeadOp):
 
         def bwd(z, ids, lp, y, st, off):
             o = off[0]
+            if impl == "triton" and not opts.tail:  # kd_bwd_kernel on the block, as on a slice
+                return (triton_block_bwd(z, ids, lp, y, st, opts, o, vocab),)
             return (rows_bwd(z, ids, lp, y, st, opts, offset=o, vocab=vocab,
                              xk=_xla_kd.slice_gather(z, ids, o)),)
 

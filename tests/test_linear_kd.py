@@ -110,11 +110,14 @@ def test_xla_matches_float64(name, mode):
 
 @pytest.mark.parametrize("fn, mode, vocab", [("kd", "fast", 45), ("distill", "lean", 45),
                                              ("distill", "low_precision", 45),
-                                             ("distill", "fast", 48), ("kd", "fast", 48)])
+                                             ("distill", "fast", 48), ("kd", "fast", 48),
+                                             ("distill", "lean", 300)])
 def test_triton_interpreter_matches_float64(interpreter, fn, mode, vocab):
     """V=45: rows off 16-byte boundaries; V=48 (aligned): the fused KD forward gathers the
     logits at the ids (and the label's) in its walk and writes each chunk's gradient over the
-    chunk's logits (kd_fwd_plan's in_place)."""
+    chunk's logits (kd_fwd_plan's in_place). "lean" at V=300: the vocabulary walk's blocks of
+    128, 128 and 44 columns over row chunks of 4 tokens, each block's gradient by
+    kd_bwd_kernel with the block's offset (teacher ids and labels in other blocks)."""
     opts = dict(temperature=2.0, weighted=True) | (dict(alpha=0.4) if fn == "distill" else {})
     inputs = make_inputs(n=5, vocab=vocab)
     got = run(fn, "triton", inputs, mode=mode, chunk_size=2, **opts)
@@ -182,6 +185,7 @@ def test_validation_names_the_argument(kwargs, error, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fn, opts", [("kd", dict()), ("kd", dict(tail=True)),
+                                      ("distill", dict(alpha=0.5, temperature=2.0)),
                                       ("distill", dict(alpha=0.5, tail=True, divergence="jsd"))])
 def test_gpu_real_size(fn, opts):
     """N=8192, D=4096, V=128256, K=64 bf16 ("vd" weight): every mode against naive XLA
