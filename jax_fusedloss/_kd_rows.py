@@ -92,16 +92,24 @@ def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
                             _sharding.global_vocab(vocab, axes))
 
 
+def _local_ids(ids, off, vocab: int):
+    """Teacher ids as columns of the `vocab` logits starting at global column `off`; -1 (no
+    entry) for ids outside them."""
+    local = ids - off
+    return jnp.where((local >= 0) & (local < vocab), local, -1)
+
+
 def triton_block_bwd(x, ids, lp, y, stats, opts: KDOptions, off, total: int):
     """The gradient of the columns `[off, off + V)` of rows of `total` columns (x [N, V]; ids
     and labels y global; stats the rows' complete statistics with the cotangent folded into
     the row weights): a device's vocabulary slice, or a block of the LM head's vocabulary
-    walk. Non-tail forms only."""
+    walk."""
+    if opts.tail:
+        return _triton_tail_bwd(x, ids, lp, y, stats, opts, off, total)
     from jax_fusedloss.kernels import kd
 
     n, vocab = x.shape
-    local = ids - off
-    ids_local = jnp.where((local >= 0) & (local < vocab), local, -1)  # -1 stays out
+    ids_local = _local_ids(ids, off, vocab)
 
     def plan(rows, v):
         return kd.kd_bwd_plan(rows, v, ids.shape[-1], vocab_total=total,
@@ -211,14 +219,24 @@ def _triton_tail_fwd(x, ids, lp, y, row_scale, opts: KDOptions, write_grad: bool
                                 row_scale)
 
 
-def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions):
+def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions, off=None, total: int | None = None):
+    """The tail forms' unit-cotangent gradient from the rows' statistics (tail_bwd_plan): of
+    whole rows, or (`off`, `total`) of the columns [off, off + V) of rows of `total` columns
+    (ids and labels y global), a block of the LM head's vocabulary walk."""
     from jax_fusedloss.kernels import kd_tail
 
-    def plan(n, vocab):
-        return kd_tail.tail_bwd_plan(n, vocab, ids.shape[-1], num_sms=_triton_jax.num_sms(),
-                                     **_tail_kernel_options(opts))
+    n = x.shape[0]
+    if off is None:
+        off = jnp.int32(0)
+    else:
+        ids = _local_ids(ids, off, x.shape[1])
 
-    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats"), x, ids, lp, y, stats)
+    def plan(rows, vocab):
+        return kd_tail.tail_bwd_plan(rows, vocab, ids.shape[-1], num_sms=_triton_jax.num_sms(),
+                                     vocab_total=total, **_tail_kernel_options(opts))
+
+    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats", "offset"), x, ids, lp,
+                                y, stats, jnp.broadcast_to(off, (n,)).astype(jnp.int32))[0]
 
 
 def _tail_kernel_options(opts: KDOptions) -> dict:
@@ -239,7 +257,7 @@ def _tail_row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
             return _triton_tail_fwd(x, ids, lp, y, rs, opts, write_grad=True)
 
         def bwd(x, ids, lp, y, st):
-            return _triton_tail_bwd(x, ids, lp, y, st, opts)
+            return (_triton_tail_bwd(x, ids, lp, y, st, opts),)
     else:
         def fwd(x, ids, lp, y, rs):
             return _xla_tail.rows_fwd(x, ids, lp, y, rs, opts)

@@ -38,7 +38,7 @@ class _LinearKD(_lm_head.HeadOp):
 
         def bwd(z, ids, lp, y, st, off):
             o = off[0]
-            if impl == "triton" and not opts.tail:  # kd_bwd_kernel on the block, as on a slice
+            if impl == "triton":  # kd_bwd_kernel / tail_bwd_kernel on the block
                 return (triton_block_bwd(z, ids, lp, y, st, opts, o, vocab),)
             return (rows_bwd(z, ids, lp, y, st, opts, offset=o, vocab=vocab,
                              xk=_xla_kd.slice_gather(z, ids, o)),)

@@ -153,7 +153,8 @@ def _kd_tail():
     ce_opts = dict(smoothing=0.1, z_loss=1e-4, softcap=30.0)
     options = (("kl", False, 1.0, {}), ("jsd", False, 2.0, {}), ("kl", True, 2.0, {}),
                ("jsd", True, 1.0, ce_opts))
-    types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32", stats="*fp32")
+    types = dict(ids="*i32", lp="*fp32", y="*i32", row_scale="*fp32", stats="*fp32",
+                 offset="*i32")
     for (dt, (n, v)), (div, distill, t, extra) in itertools.product(KD_CASES, options):
         kw = dict(temperature=t, divergence=div, beta=0.3, distill=distill, ignore_index=-100,
                   **extra)

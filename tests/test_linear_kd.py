@@ -130,13 +130,17 @@ def test_triton_interpreter_matches_float64(interpreter, fn, mode, vocab):
     ("kd", "low_precision", dict(tail=True, reduction="none")),
     ("kd", "lean", dict(tail=True, divergence="jsd", reduction="none")),
     ("distill", "fast", dict(alpha=0.4, tail=True, label_smoothing=0.1)),
+    ("distill", "lean", dict(alpha=0.4, tail=True, divergence="jsd", label_smoothing=0.1,
+                             vocab=300)),
 ])
 def test_triton_tail_interpreter_matches_float64(interpreter, fn, mode, opts):
     """The (K+1)-bucket forms on the Triton tail kernels (kernels/kd_tail.py) in the walks
     ("fast": each chunk's gradient written over its logits, the logits at the ids and label
-    kept in xk for the id launch)."""
+    kept in xk for the id launch; "lean" at V=300: tail_bwd_kernel on the vocabulary walk's
+    blocks of 128, 128 and 44 columns, ids and labels of other blocks left out)."""
     layout = "vd" if mode == "lean" else "dv"
-    inputs = make_inputs(n=5, vocab=45, layout=layout)
+    opts = dict(opts)
+    inputs = make_inputs(n=5, vocab=opts.pop("vocab", 45), layout=layout)
     got = run(fn, "triton", inputs, layout, mode=mode, chunk_size=2, **opts)
     compare(got, reference(fn, inputs, layout, **opts), 2e-5, f"triton tail {fn} {mode}")
 

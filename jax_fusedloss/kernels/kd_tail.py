@@ -520,11 +520,14 @@ def tail_fwd_kernel(
 
 
 @triton.jit
-def _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, inv_temp,
-               DISTILL: tl.constexpr, HAS_ZLOSS: tl.constexpr):
+def _row_coefs(labels_ptr, stats_ptr, row, v_total, col0, ignore_index, smoothing, z_loss,
+               inv_temp, DISTILL: tl.constexpr, HAS_ZLOSS: tl.constexpr):
     """What the gradient of a row needs from its statistics: (label, active, lgS, lg_x, a1, C,
-    kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b, c)."""
-    label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
+    kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b, c). The row has `v_total` columns, of which the
+    logits at hand start at column `col0` (0, or a block of the LM head's vocabulary walk):
+    the label is checked against v_total and returned relative to col0."""
+    label, active, bad = _row_state(labels_ptr, row, v_total, ignore_index, DISTILL)
+    label = label - col0
     st = stats_ptr + row * TAIL_FIELDS
     lse_x, lgS, lgS_t, ce_a, kd_a = (tl.load(st), tl.load(st + 1), tl.load(st + 2),
                                      tl.load(st + 3), tl.load(st + 4))
@@ -534,7 +537,7 @@ def _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, i
     b = 0.0
     c = 0.0
     if DISTILL:
-        a, b, c = ce_coefs(lse_x, V, smoothing, z_loss, bad, ce_a, HAS_ZLOSS)
+        a, b, c = ce_coefs(lse_x, v_total, smoothing, z_loss, bad, ce_a, HAS_ZLOSS)
     off_s, sgn_s, off_x, sgn_x = _dense_offsets(lgS, lgS_t, lg_x, a1, a2, kd_a, a, inv_temp)
     return (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b, c)
 
@@ -561,24 +564,27 @@ def tail_ids_kernel(
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
-              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
+              stride_row, V, 0, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
               log_1mb, 0, V, xk_ptr + row * (K + 1), BLOCK_K, K_CHUNK, DISTILL, JSD,
               HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, False, 0, 0, FROM_XK)
 
 
 @triton.jit
 def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
-              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, start, stop, xk_row, BLOCK_K: tl.constexpr, K_CHUNK: tl.constexpr,
+              stride_row, v_total, col0, inv_temp, ignore_index, smoothing, z_loss, softcap,
+              beta, log_b, log_1mb, start, stop, xk_row, BLOCK_K: tl.constexpr,
+              K_CHUNK: tl.constexpr,
               DISTILL: tl.constexpr, JSD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
               HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, DENSE: tl.constexpr,
               BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FROM_XK: tl.constexpr):
     """The gradient of columns [start, stop) of a row from its statistics: (DENSE) the dense
     part, then, after a barrier, the id and label columns (without DENSE: only those); with
-    FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats)."""
+    FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats). The logits
+    are columns [col0, col0 + V) of rows of v_total (the ids given relative to col0, -1
+    outside)."""
     (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b,
-     c) = _row_coefs(labels_ptr, stats_ptr, row, V, ignore_index, smoothing, z_loss, inv_temp,
-                     DISTILL, HAS_ZLOSS)
+     c) = _row_coefs(labels_ptr, stats_ptr, row, v_total, col0, ignore_index, smoothing,
+                     z_loss, inv_temp, DISTILL, HAS_ZLOSS)
     if DENSE:
         _write_dense(logits_ptr, row * stride_row, grad_ptr, row * V, r, off_s, sgn_s, off_x,
                      sgn_x, c, inv_temp, softcap, start, stop, "", BLOCK_V, ALIGN, DISTILL,
@@ -602,10 +608,12 @@ def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr
 @triton.jit
 def tail_bwd_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K], labels [N], stats [N, TAIL_FIELDS] (the
-    # row weights 3:5 scaled by the cotangent)
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr,
+    # row weights 3:5 scaled by the cotangent), offset [N] (the logits' first column of the
+    # row's v_total; the ids relative to it, -1 outside; the labels global)
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, offset_ptr,
     # sizes, strides, options
-    V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
+    V, K, stride_row, v_total, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
+    log_1mb,
     # outputs
     grad_ptr,
     # constexprs
@@ -620,10 +628,12 @@ def tail_bwd_kernel(
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * SPLIT_V
+    col0 = tl.load(offset_ptr + row)
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
-              stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, start, tl.minimum(start + SPLIT_V, V), logprobs_ptr, BLOCK_K, K_CHUNK,
-              DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True, BLOCK_V, ALIGN, False)
+              stride_row, v_total, col0, inv_temp, ignore_index, smoothing, z_loss, softcap,
+              beta, log_b, log_1mb, start, tl.minimum(start + SPLIT_V, V), logprobs_ptr,
+              BLOCK_K, K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True,
+              BLOCK_V, ALIGN, False)
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -701,14 +711,18 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
 def tail_bwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence: str,
                   beta: float, distill: bool, ignore_index: int, num_sms: int,
                   smoothing: float = 0.0, z_loss: float = 0.0,
-                  softcap: float | None = None) -> Plan:
-    """x, ids, lp, y, stats -> grad: launch.row_config's programs per row (one for many rows,
-    vocabulary slices for few)."""
+                  softcap: float | None = None, vocab_total: int | None = None) -> Plan:
+    """x, ids, lp, y, stats, offset -> grad: launch.row_config's programs per row (one for
+    many rows, vocabulary slices for few). `x` holds columns [offset, offset + vocab) of rows
+    of `vocab_total` columns (default vocab; offset [N] int32, 0 then), as a block of the LM
+    head's vocabulary walk does: the teacher ids relative to offset (-1 outside), the labels
+    global."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
     cfg = row_config(n, vocab, num_sms, write_grad=True)
+    scalars = _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta)
     launch = Launch(
-        tail_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats"),
-        _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta),
+        tail_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats", "offset"),
+        scalars[:3] + (vocab if vocab_total is None else vocab_total,) + scalars[3:],
         (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
         dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
     return Plan((launch,), ("grad",))
