@@ -228,13 +228,6 @@ def _zeros(shape, dtype, vma):
     return _sharding._pcast_to(jnp.zeros(shape, dtype), frozenset(vma))
 
 
-def _unset(shape, dtype, vma):
-    """A buffer every element of which the walk writes before it is read (the vocabulary
-    walk's dW): `lax.empty`, an uninitialised allocation on a GPU (zeros elsewhere). A zero
-    fill there cost a dW-sized write (H100, bf16, D=4096, V=128256: 0.6 ms of "lean")."""
-    return _sharding._pcast_to(jax.lax.empty(shape, dtype), frozenset(vma))
-
-
 def _vma(*arrays) -> frozenset:
     return frozenset().union(*(_sharding.varying_axes(a) for a in arrays if a is not None))
 
@@ -273,7 +266,7 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
     n_stats = len(op.stat_shapes()) if spec.stats else 0
     init = tuple(_zeros((n,) + s, f32, row_vma) for s in op.stat_shapes()) if spec.stats else ()
     dw_dtype = f32 if head.mode == "fast" else w.dtype
-    init += (_unset(h.shape, h.dtype, vma) if spec.dh else None,  # every chunk writes its rows
+    init += (_zeros(h.shape, h.dtype, vma) if spec.dh else None,
              _zeros(w.shape, dw_dtype, vma) if spec.dw else None,
              _zeros(b.shape, f32, vma) if spec.dw and b is not None else None)
 
@@ -308,7 +301,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     vocab = w.shape[vdim]
     vma = _vma(h, w, b, *rows)
     first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
-    init = (_zeros(h.shape, f32, vma) if with_dh else None, _unset(w.shape, w.dtype, vma),
+    init = (_zeros(h.shape, f32, vma) if with_dh else None, _zeros(w.shape, w.dtype, vma),
             None if b is None else _zeros(b.shape, f32, vma))
     chunk = min(head.block_rows, n)
 
