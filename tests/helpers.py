@@ -25,6 +25,18 @@ def random_logits(seed: int, shape, dtype: str, scale: float = 2.0) -> jax.Array
     return x.astype(DTYPES[dtype])
 
 
+def from_torch(t: torch.Tensor) -> jax.Array:
+    """A JAX array viewing a torch tensor (dlpack), exported with the tensor's CUDA device as
+    torch's current device: torch refuses to export a tensor of any other device ("Can't
+    export tensors on a different CUDA device index", seen on a host with two GPUs in
+    test_gpu_kd, whose tensors live on cuda:0)."""
+    t = t.contiguous()
+    if not t.is_cuda:
+        return jnp.from_dlpack(t)
+    with torch.cuda.device(t.device):
+        return jnp.from_dlpack(t)
+
+
 def to_torch(x: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A torch copy of `x` (as `dtype`). The copy runs on torch's stream, so it is finished
     before the dlpack view goes: once neither framework holds `x`'s memory, JAX's allocator

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import jax_fusedloss
 import torch_ref
-from tests.helpers import VALUE_RTOL, assert_close, assert_grad_close
+from tests.helpers import VALUE_RTOL, assert_close, assert_grad_close, from_torch
 from tests.reference import torch_oracle
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +24,7 @@ def _inputs(n, v, dtype, seed=0, ignore_frac=0.1):
 
 
 def _jax(t):
-    return jnp.from_dlpack(t)
+    return from_torch(t)
 
 
 def _reference(x, y, rows, **opts):

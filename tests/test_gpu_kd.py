@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import jax_fusedloss  # noqa: E402
 import torch_ref  # noqa: E402
-from tests.helpers import assert_close, assert_grad_close  # noqa: E402
+from tests.helpers import assert_close, assert_grad_close, from_torch  # noqa: E402
 from tests.reference import torch_oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ def _inputs(n, dtype, seed=0):
 
 
 def _jax(t):
-    return jnp.from_dlpack(t.contiguous())
+    return from_torch(t)
 
 
 def _rows(n):
