@@ -225,18 +225,18 @@ def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions, off=None, total: int
     (ids and labels y global), a block of the LM head's vocabulary walk."""
     from jax_fusedloss.kernels import kd_tail
 
-    n = x.shape[0]
-    if off is None:
-        off = jnp.int32(0)
-    else:
-        ids = _local_ids(ids, off, x.shape[1])
+    names, arrays = ("x", "ids", "lp", "y", "stats"), (x, ids, lp, y, stats)
+    if off is not None:
+        names += ("offset",)
+        arrays = (x, _local_ids(ids, off, x.shape[1]), lp, y, stats,
+                  jnp.broadcast_to(off, x.shape[:1]).astype(jnp.int32))
 
     def plan(rows, vocab):
         return kd_tail.tail_bwd_plan(rows, vocab, ids.shape[-1], num_sms=_triton_jax.num_sms(),
+                                     offset="offset" if off is not None else "",
                                      vocab_total=total, **_tail_kernel_options(opts))
 
-    return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats", "offset"), x, ids, lp,
-                                y, stats, jnp.broadcast_to(off, (n,)).astype(jnp.int32))[0]
+    return _triton_jax.run_rows(plan, names, *arrays)[0]
 
 
 def _tail_kernel_options(opts: KDOptions) -> dict:

@@ -38,17 +38,13 @@ def _logprob_grad_fns(opts: RedOptions, impl: str) -> _sharding.RowFns:
                                softcap=None, return_lse=False, implementation=impl,
                                vocab_axis=opts.vocab_axis, in_place=True), impl)["fwd_grad"]
 
-    def stats(y, outs):
-        loss, lse, coef, g = outs
-        return lse, jnp.where(y < 0, jnp.nan, -loss), coef[:, 3], g
+    def mapped(fn):  # fn(z, y, row_scale[, axes=]) -> (loss, lse, coef, g)
+        def run(z, y, **axes):
+            loss, lse, coef, g = fn(z, y, jnp.ones(y.shape, jnp.float32), **axes)
+            return lse, jnp.where(y < 0, jnp.nan, -loss), coef[:, 3], g
+        return run
 
-    def local(z, y):
-        return stats(y, ce.local(z, y, jnp.ones(y.shape, jnp.float32)))
-
-    def vocab_parallel(z, y, axes):
-        return stats(y, ce.vocab_parallel(z, y, jnp.ones(y.shape, jnp.float32), axes=axes))
-
-    return _sharding.RowFns(local, vocab_parallel, ce.out_kinds)
+    return _sharding.RowFns(mapped(ce.local), mapped(ce.vocab_parallel), ce.out_kinds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -711,17 +711,19 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
 def tail_bwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence: str,
                   beta: float, distill: bool, ignore_index: int, num_sms: int,
                   smoothing: float = 0.0, z_loss: float = 0.0,
-                  softcap: float | None = None, vocab_total: int | None = None) -> Plan:
-    """x, ids, lp, y, stats, offset -> grad: launch.row_config's programs per row (one for
-    many rows, vocabulary slices for few). `x` holds columns [offset, offset + vocab) of rows
-    of `vocab_total` columns (default vocab; offset [N] int32, 0 then), as a block of the LM
-    head's vocabulary walk does: the teacher ids relative to offset (-1 outside), the labels
-    global."""
+                  softcap: float | None = None, offset: str = "",
+                  vocab_total: int | None = None) -> Plan:
+    """x, ids, lp, y, stats[, offset] -> grad: launch.row_config's programs per row (one for
+    many rows, vocabulary slices for few). With `offset` (the name of an [N] int32 input, as
+    kd_bwd_launch's) `x` holds columns [offset, offset + vocab) of rows of `vocab_total`
+    columns, as a block of the LM head's vocabulary walk does: the teacher ids relative to
+    offset (-1 outside), the labels global. Without, whole rows."""
     flags = tail_constexprs(distill, divergence, temperature, k, softcap, smoothing, z_loss)
     cfg = row_config(n, vocab, num_sms, write_grad=True)
     scalars = _scalars(vocab, k, temperature, ignore_index, smoothing, z_loss, softcap, beta)
     launch = Launch(
-        tail_bwd_kernel, (n, cfg.num_splits), ("x", "ids", "lp", "y", "stats", "offset"),
+        tail_bwd_kernel, (n, cfg.num_splits),
+        ("x", "ids", "lp", "y", "stats", offset or Zeros((n,), "int32")),
         scalars[:3] + (vocab if vocab_total is None else vocab_total,) + scalars[3:],
         (Buf("grad", (n, vocab), LOGITS),), cfg.num_warps,
         dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align, **flags))
