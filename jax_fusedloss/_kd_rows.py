@@ -63,15 +63,21 @@ def _slice_options(x, opts: KDOptions) -> dict:
                 itemsize=x.dtype.itemsize)
 
 
-def _triton_vocab_stats(x, opts: KDOptions):
+def _triton_vocab_stats(x, opts: KDOptions, cols=None):
     """`_xla_kd.vocab_stats` of `[N, V]` logits through kd_partial_kernel (kd_partials_plan):
-    the partials of each row's splits merged here (one split for many rows)."""
+    the partials of each row's splits merged here (one split for many rows). With `cols`
+    (int32 [N, C], columns of x or -1) also the raw logits there, float32 [N, C] (0 for -1),
+    gathered by the same launch: (stats, gathered)."""
     from jax_fusedloss.kernels import kd
 
-    def plan(n, vocab):
-        return kd.kd_partials_plan(n, vocab, **_slice_options(x, opts))
+    gather = 0 if cols is None else cols.shape[1]
 
-    (part,) = _triton_jax.run_rows(plan, ("x",), x)
+    def plan(n, vocab):
+        return kd.kd_partials_plan(n, vocab, gather=gather, **_slice_options(x, opts))
+
+    outs = _triton_jax.run_rows(plan, ("x", "cols")[:1 + bool(gather)], x,
+                                *(() if cols is None else (cols,)))
+    part = outs[0]
     m_i = part[..., 0]
     m = m_i.max(axis=1)
     shift = jnp.where(jnp.isneginf(m_i), -jnp.inf, m_i - _xla_chunks.safe_max(m)[:, None])
@@ -79,8 +85,9 @@ def _triton_vocab_stats(x, opts: KDOptions):
     s = (part[..., 1] * jnp.exp(shift)).sum(axis=1)
     s_kd = (part[..., 2] * jnp.exp(shift * inv_temp)).sum(axis=1)
     sumz = part[..., 3].sum(axis=1)
-    return (m, s if opts.distill else None, s_kd if _xla_kd.kd_stats_needed(opts) else None,
-            sumz if opts.distill and opts.smoothing > 0 else None)
+    stats = (m, s if opts.distill else None, s_kd if _xla_kd.kd_stats_needed(opts) else None,
+             sumz if opts.distill and opts.smoothing > 0 else None)
+    return stats if cols is None else (stats, outs[1])
 
 
 def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
@@ -121,25 +128,36 @@ def triton_block_bwd(x, ids, lp, y, stats, opts: KDOptions, off, total: int):
 
 
 # ----------------------------------------------------------------------------- row functions
-def _vp_gathers(x, ids, y, opts: KDOptions, axes, vocab_stats=_xla_kd.vocab_stats):
-    """Slice offset, global vocabulary, the vocabulary statistics (`vocab_stats`) merged over
-    the slices, x[ids] and x[y] of a vocabulary slice: one pmax and one psum of O(N * K)."""
+def _vp_gathers(x, ids, y, opts: KDOptions, axes, vocab_stats=None):
+    """Slice offset, global vocabulary, the vocabulary statistics merged over the slices,
+    x[ids] and x[y] of a vocabulary slice: one pmax of O(N) and one all-reduce of O(N * K)
+    (the sums and the gathered logits as two operands of one psum: no concatenated copy).
+    `vocab_stats`: None for `_xla_kd.vocab_stats` and XLA gathers, or `_triton_vocab_stats`,
+    whose launch gathers the slice's logits at the labels and ids as it walks the slice."""
     vocab = x.shape[1]
     off = _sharding.slice_offset(vocab, axes)
-    xk = _xla_kd.slice_gather(x, ids, off)
-    xy = _xla_kd.slice_gather(x, y[:, None], off)[:, 0]
-    m, s, s_kd, sumz = (vocab_stats(x, opts) if _xla_kd.needs_vocab_pass(opts)
-                        else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
+    walk = _xla_kd.needs_vocab_pass(opts)
+    if walk and vocab_stats is not None:
+        cols = _local_ids(jnp.concatenate([y[:, None].astype(jnp.int32),
+                                           ids.astype(jnp.int32)], axis=1), off, vocab)
+        (m, s, s_kd, sumz), got = vocab_stats(x, opts, cols)
+    else:
+        got = jnp.concatenate([_xla_kd.slice_gather(x, y[:, None], off),
+                               _xla_kd.slice_gather(x, ids, off)], axis=1)
+        m, s, s_kd, sumz = (_xla_kd.vocab_stats(x, opts) if walk
+                            else (jnp.full(y.shape, -jnp.inf, jnp.float32), None, None, None))
     m_all = jax.lax.pmax(m, axes)
     shift = jnp.where(jnp.isneginf(m), -jnp.inf, m - _xla_chunks.safe_max(m_all))
     weights = (jnp.exp(shift), jnp.exp(shift * _validate.inverse_temperature(opts.temperature)),
                1.0)  # sums relative to m
     sums = [a * w for a, w in zip((s, s_kd, sumz), weights) if a is not None]
-    total = jax.lax.psum(jnp.stack(sums + [xy, *xk.T], axis=-1), axes)
-    merged = iter(total[..., i] for i in range(len(sums)))
+    if sums:
+        total, got = jax.lax.psum((jnp.stack(sums, axis=-1), got), axes)
+        merged = iter(total[..., i] for i in range(len(sums)))
+    else:
+        got = jax.lax.psum(got, axes)
     vstats = (m_all,) + tuple(None if a is None else next(merged) for a in (s, s_kd, sumz))
-    return (off, _sharding.global_vocab(vocab, axes), vstats, total[..., len(sums) + 1:],
-            total[..., len(sums)])
+    return off, _sharding.global_vocab(vocab, axes), vstats, got[..., 1:], got[..., 0]
 
 
 def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
@@ -163,7 +181,7 @@ def row_fns(opts: KDOptions, impl: str) -> dict[str, _sharding.RowFns]:
         def bwd_vp(x, ids, lp, y, stats, axes):
             return (_triton_slice_bwd(x, ids, lp, y, stats, opts, axes),)
     else:
-        vocab_stats = _xla_kd.vocab_stats
+        vocab_stats = None
 
         def fwd(x, ids, lp, y, rs):
             return _xla_kd.rows_fwd(x, ids, lp, y, rs, opts)

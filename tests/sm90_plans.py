@@ -141,7 +141,9 @@ def _kd():
                           smoothing=extra.get("smoothing", 0.0), softcap=extra.get("softcap"),
                           itemsize=_itemsize(dt))
         if distill or normalize == "full":  # "topk" kd_loss takes no statistics pass
-            yield from _specs(kd.kd_partials_plan(n, v, **slice_opts), dt, {})
+            # as the vocabulary-parallel rows call it: gathering the label and 64 ids
+            yield from _specs(kd.kd_partials_plan(n, v, gather=65, **slice_opts), dt,
+                              dict(cols="*i32"))
         yield from _specs(kd.kd_bwd_plan(n, v, 64, vocab_total=2 * v, ignore_index=-100,
                                          z_loss=extra.get("z_loss", 0.0), **slice_opts),
                           dt, bwd_types)
