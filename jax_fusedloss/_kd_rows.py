@@ -63,20 +63,25 @@ def _slice_options(x, opts: KDOptions) -> dict:
                 itemsize=x.dtype.itemsize)
 
 
-def _triton_vocab_stats(x, opts: KDOptions, cols=None):
+def _triton_vocab_stats(x, opts: KDOptions, gather=None):
     """`_xla_kd.vocab_stats` of `[N, V]` logits through kd_partial_kernel (kd_partials_plan):
-    the partials of each row's splits merged here (one split for many rows). With `cols`
-    (int32 [N, C], columns of x or -1) also the raw logits there, float32 [N, C] (0 for -1),
-    gathered by the same launch: (stats, gathered)."""
+    the partials of each row's splits merged here (one split for many rows). With `gather` =
+    (ids [N, K], y [N], off), x being the columns [off, off + V) of a vocabulary slice, also
+    the raw logits at the labels and ids, float32 [N, K + 1] (0 outside the slice), read by
+    the same launch: (stats, gathered)."""
     from jax_fusedloss.kernels import kd
 
-    gather = 0 if cols is None else cols.shape[1]
+    k = None if gather is None else gather[0].shape[-1]
 
     def plan(n, vocab):
-        return kd.kd_partials_plan(n, vocab, gather=gather, **_slice_options(x, opts))
+        return kd.kd_partials_plan(n, vocab, gather_k=k, **_slice_options(x, opts))
 
-    outs = _triton_jax.run_rows(plan, ("x", "cols")[:1 + bool(gather)], x,
-                                *(() if cols is None else (cols,)))
+    if gather is None:
+        outs = _triton_jax.run_rows(plan, ("x",), x)
+    else:
+        ids, y, off = gather
+        outs = _triton_jax.run_rows(plan, ("x", "ids", "y", "offset"), x, ids, y,
+                                    jnp.broadcast_to(off, y.shape).astype(jnp.int32))
     part = outs[0]
     m_i = part[..., 0]
     m = m_i.max(axis=1)
@@ -87,7 +92,7 @@ def _triton_vocab_stats(x, opts: KDOptions, cols=None):
     sumz = part[..., 3].sum(axis=1)
     stats = (m, s if opts.distill else None, s_kd if _xla_kd.kd_stats_needed(opts) else None,
              sumz if opts.distill and opts.smoothing > 0 else None)
-    return stats if cols is None else (stats, outs[1])
+    return stats if gather is None else (stats, outs[1])
 
 
 def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
@@ -138,9 +143,8 @@ def _vp_gathers(x, ids, y, opts: KDOptions, axes, vocab_stats=None):
     off = _sharding.slice_offset(vocab, axes)
     walk = _xla_kd.needs_vocab_pass(opts)
     if walk and vocab_stats is not None:
-        cols = _local_ids(jnp.concatenate([y[:, None].astype(jnp.int32),
-                                           ids.astype(jnp.int32)], axis=1), off, vocab)
-        (m, s, s_kd, sumz), got = vocab_stats(x, opts, cols)
+        (m, s, s_kd, sumz), got = vocab_stats(x, opts, (ids.astype(jnp.int32),
+                                                        y.astype(jnp.int32), off))
     else:
         got = jnp.concatenate([_xla_kd.slice_gather(x, y[:, None], off),
                                _xla_kd.slice_gather(x, ids, off)], axis=1)

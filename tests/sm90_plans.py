@@ -142,8 +142,8 @@ def _kd():
                           itemsize=_itemsize(dt))
         if distill or normalize == "full":  # "topk" kd_loss takes no statistics pass
             # as the vocabulary-parallel rows call it: gathering the label and 64 ids
-            yield from _specs(kd.kd_partials_plan(n, v, gather=65, **slice_opts), dt,
-                              dict(cols="*i32"))
+            yield from _specs(kd.kd_partials_plan(n, v, gather_k=64, **slice_opts), dt,
+                              dict(ids="*i32", y="*i32", offset="*i32"))
         yield from _specs(kd.kd_bwd_plan(n, v, 64, vocab_total=2 * v, ignore_index=-100,
                                          z_loss=extra.get("z_loss", 0.0), **slice_opts),
                           dt, bwd_types)

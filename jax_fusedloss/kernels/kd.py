@@ -526,13 +526,14 @@ def kd_ids_kernel(
 
 @triton.jit
 def kd_partial_kernel(
-    # pointers: logits [N, V], cols int32 [N, NC] (GATHER: columns of these logits to gather,
-    # -1 for none)
-    logits_ptr, cols_ptr,
+    # pointers: logits [N, V]; GATHER: teacher ids [N, K] and labels [N] (global columns),
+    # offset [N] int32 (the global column of the row's first logit)
+    logits_ptr, ids_ptr, labels_ptr, offset_ptr,
     # sizes, strides, options
-    V, stride_row, inv_temp, softcap, NC,
+    V, stride_row, inv_temp, softcap, K,
     # outputs: float32 [N, NUM_SPLITS, 4] = (max z, sum exp(z - max), sum exp((z - max) / T),
-    # sum z); GATHER: float32 [N, NC], the raw logits at cols (0 where a column is -1)
+    # sum z); GATHER: float32 [N, K + 1], the raw logits at the label, then at the ids (0 for
+    # a column outside these logits)
     part_ptr, xg_ptr,
     # constexprs
     SPLIT_V: tl.constexpr, BLOCK_V: tl.constexpr, CE_STATS: tl.constexpr,
@@ -540,9 +541,10 @@ def kd_partial_kernel(
     ALIGN: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Split path, grid (N, NUM_SPLITS): partial online-softmax statistics of one slice; with
-    BLOCK_C > 0 the row's split 0 also gathers the logits at its `cols` (the teacher ids and
-    label of a vocabulary slice), loads issued before the walk so their latency hides behind
-    it. A column outside [0, V) reads nothing and gives 0."""
+    BLOCK_C > 0 the row's split 0 also gathers the logits at its label and teacher ids when
+    they fall in these columns (a vocabulary slice: global column - offset in [0, V)), the
+    loads issued before the walk so their latency hides behind it. Nothing outside [0, V) is
+    read."""
     V = hint_multiple(V, ALIGN)
     stride_row = hint_multiple(stride_row, ALIGN)
     row = tl.program_id(0).to(tl.int64)
@@ -550,10 +552,12 @@ def kd_partial_kernel(
     start = split * SPLIT_V
     if BLOCK_C > 0:
         cc = tl.arange(0, BLOCK_C)
-        mine = cc < tl.where(split == 0, NC, 0)  # the row's split 0 gathers
-        cols = tl.load(cols_ptr + row * NC + cc, mask=mine, other=-1)
-        hit = (cols >= 0) & (cols < V)
-        xg = tl.load(logits_ptr + row * stride_row + tl.where(hit, cols, 0), mask=hit,
+        mine = cc < tl.where(split == 0, K + 1, 0)  # the row's split 0 gathers
+        off = tl.load(offset_ptr + row)
+        col = tl.load(ids_ptr + row * K + cc - 1, mask=mine & (cc >= 1), other=-1) - off
+        col = tl.where(cc == 0, tl.load(labels_ptr + row) - off, col)
+        hit = mine & (col >= 0) & (col < V)
+        xg = tl.load(logits_ptr + row * stride_row + tl.where(hit, col, 0), mask=hit,
                      other=0.0).to(tl.float32)
     m, s, s_kd, sumz, _, _, _ = slice_stats(logits_ptr, row * stride_row, -1, start,
                                             tl.minimum(start + SPLIT_V, V), softcap, inv_temp,
@@ -561,7 +565,7 @@ def kd_partial_kernel(
                                             KD_STATS, "", False, 0)
     store_partials(part_ptr, row, split, tl.num_programs(1), m, s, s_kd, sumz)
     if BLOCK_C > 0:
-        tl.store(xg_ptr + row * NC + cc, xg, mask=mine)
+        tl.store(xg_ptr + row * (K + 1) + cc, xg, mask=mine)
 
 
 @triton.jit
@@ -709,18 +713,21 @@ def kd_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, normalize: st
     return Plan(tuple(launches), ("loss", "stats") + (("grad",) if write_grad else ()))
 
 
-def _partials_launch(n, vocab, flags, cfg, inv_temp, cap, gather: int = 0) -> Launch:
-    """x[, cols] -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) / T), sum z)
-    of each row's S vocabulary splits[, xg [N, gather], the raw logits at cols]."""
-    cols = "cols" if gather else Zeros((1,), "int32")
-    xg = Buf("xg", (n, gather), "float32") if gather else placeholder("xg")
-    return Launch(kd_partial_kernel, (n, cfg.num_splits), ("x", cols),
-                  (vocab, vocab, inv_temp, cap, gather),
+def _partials_launch(n, vocab, flags, cfg, inv_temp, cap, k: int | None = None) -> Launch:
+    """x[, ids, y, offset] -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) /
+    T), sum z) of each row's S vocabulary splits[, xg [N, k + 1], the raw logits at the label
+    and the k ids (kd_partials_plan)]."""
+    gather = k is not None
+    ins = (("ids", "y", "offset") if gather else
+           (Zeros((1,), "int32"), Zeros((1,), "int32"), Zeros((1,), "int32")))
+    xg = Buf("xg", (n, k + 1), "float32") if gather else placeholder("xg")
+    return Launch(kd_partial_kernel, (n, cfg.num_splits), ("x",) + ins,
+                  (vocab, vocab, inv_temp, cap, k or 0),
                   (Buf("part", (n, cfg.num_splits, 4), "float32"), xg), cfg.num_warps,
                   dict(SPLIT_V=cfg.split_v, BLOCK_V=cfg.block_v, ALIGN=cfg.align,
                        CE_STATS=flags["CE_STATS"], KD_STATS=flags["KD_STATS"],
                        HAS_SOFTCAP=flags["HAS_SOFTCAP"], HAS_SMOOTHING=flags["HAS_SMOOTHING"],
-                       BLOCK_C=triton.next_power_of_2(gather) if gather else 0))
+                       BLOCK_C=triton.next_power_of_2(k + 1) if gather else 0))
 
 
 def kd_bwd_launch(n, vocab, k, scalars, flags, cfg, offset="", vocab_total=None) -> Launch:
@@ -753,20 +760,21 @@ def _slice_flags(vocab, k, temperature, normalize, distill, smoothing, z_loss, s
 
 def kd_partials_plan(n: int, vocab: int, *, temperature: float, normalize: str, distill: bool,
                      num_sms: int, smoothing: float = 0.0, softcap: float | None = None,
-                     itemsize: int = 0, gather: int = 0) -> Plan:
-    """x[, cols] -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) / T), sum z)
-    of each row's S vocabulary splits (relative to each split's max; sum exp(z - max) for
-    distill, the T-sum where the KD term has its own softmax, sum z with label smoothing, 0
-    where not needed: kd_constexprs). None of it is needed for "topk" kd_loss
-    (needs_vocab_pass). With `gather` > 0, cols int32 [N, gather] (columns of x, -1 for none)
-    -> also xg float32 [N, gather], the raw logits there (0 for -1): a vocabulary slice's
-    logits at the teacher ids and labels, read by the same launch."""
+                     itemsize: int = 0, gather_k: int | None = None) -> Plan:
+    """x -> part [N, S, 4] = (max z, sum exp(z - max), sum exp((z - max) / T), sum z) of each
+    row's S vocabulary splits (relative to each split's max; sum exp(z - max) for distill,
+    the T-sum where the KD term has its own softmax, sum z with label smoothing, 0 where not
+    needed: kd_constexprs). None of it is needed for "topk" kd_loss (needs_vocab_pass).
+    With `gather_k`: x, ids [N, gather_k], y [N], offset [N] int32 -> part and xg float32
+    [N, gather_k + 1], the raw logits at the label and the ids where those global columns
+    fall in x = columns [offset, offset + vocab) (0 elsewhere): a vocabulary slice's logits
+    at the labels and teacher ids, read by the same launch."""
     flags = _slice_flags(vocab, 1, temperature, normalize, distill, smoothing, 0.0, softcap,
                          itemsize)
     return Plan((_partials_launch(n, vocab, flags, row_config(n, vocab, num_sms),
                                   inverse_temperature(temperature), float(softcap or 1.0),
-                                  gather),),
-                ("part",) + (("xg",) if gather else ()))
+                                  gather_k),),
+                ("part",) + (("xg",) if gather_k is not None else ()))
 
 
 def kd_bwd_plan(n: int, vocab: int, k: int, *, vocab_total: int, temperature: float,
