@@ -71,3 +71,24 @@ def test_kd_walk_gathers_on_aligned_rows():
     assert launch.kd_walk_gathers(32000, 4)
     assert not launch.kd_walk_gathers(50257, 2) and not launch.kd_walk_gathers(50258, 4)
     assert not launch.kd_walk_gathers(128256, 0)
+
+
+@pytest.mark.parametrize("vocab,tile,warps", [
+    (128256, 16384, 32), (64128, 16384, 32), (32064, 8192, 16), (8064, 4096, 8),
+    (1000, 1024, 4)])
+def test_kd_bwd_slice_tiles(vocab, tile, warps):
+    """kd_bwd_kernel on many rows takes a quarter of the row as its tile, within [4096,
+    GRAD_TILE_ELEMS] and no larger than the row (launch.bwd_slice_tile: the measured optimum
+    on a device's vocabulary slice and on the LM head's vocabulary blocks; whole llama3 rows
+    keep the default), and distill_loss's programs of 16 or more warps on aligned rows are
+    register-capped."""
+    from jax_fusedloss.kernels import kd
+
+    for distill in (False, True):
+        plan = kd.kd_bwd_plan(8192, vocab, 64, vocab_total=4 * vocab, temperature=1.0,
+                              normalize="full", distill=distill, ignore_index=-100,
+                              num_sms=132, itemsize=2)
+        (step,) = plan.launches
+        assert (step.constexprs["BLOCK_V"], step.num_warps) == (tile, warps)
+        capped = distill and warps >= 16 and vocab % 16 == 0
+        assert step.maxnreg == (launch.KD_BWD_DISTILL_MAXNREG if capped else None)

@@ -734,9 +734,9 @@ def kd_bwd_launch(n, vocab, k, scalars, flags, cfg, offset="", vocab_total=None)
     """x, ids, lp, y, stats[, offset] -> grad (the row weights folded into stats): `offset`
     names the [N] int32 input holding the first global column of a vocabulary slice of
     `vocab_total` columns (none: the whole row, offset 0). distill_loss's 1024-thread
-    programs on aligned rows are capped at launch.KD_BWD_DISTILL_MAXNREG registers (two an
-    SM)."""
-    capped = flags["DISTILL"] and cfg.num_warps == 32 and cfg.align == 16
+    programs of 16 or 32 warps on aligned rows are capped at launch.KD_BWD_DISTILL_MAXNREG
+    registers (as many programs an SM as kd_loss's)."""
+    capped = flags["DISTILL"] and cfg.num_warps >= 16 and cfg.align == 16
     return Launch(kd_bwd_kernel, (n, cfg.num_splits),
                   ("x", "ids", "lp", "y", "stats", offset or Zeros((n,), "int32")),
                   scalars + (vocab if vocab_total is None else vocab_total,),
@@ -789,6 +789,6 @@ def kd_bwd_plan(n: int, vocab: int, k: int, *, vocab_total: int, temperature: fl
                          itemsize)
     scalars = (vocab, k, vocab, inverse_temperature(temperature), ignore_index,
                float(smoothing), float(z_loss), float(softcap or 1.0))
-    cfg = row_config(n, vocab, num_sms, write_grad=True)
+    cfg = row_config(n, vocab, num_sms, write_grad=True, grad_tile=launch.bwd_slice_tile(vocab))
     return Plan((kd_bwd_launch(n, vocab, k, scalars, flags, cfg, "offset", vocab_total),),
                 ("grad",))

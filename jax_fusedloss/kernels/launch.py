@@ -153,11 +153,13 @@ SPLIT_FUSED_KEEP = {2: 1}
 # Unaligned rows (V=255999) get 48 from jaxlib uncapped and are slower capped (3.31 -> 3.64
 # ms, both frameworks; 3.79 with 8192 x 6): the cap is for 16-byte aligned rows only.
 SPLIT_FUSED_KEPT = {2: (4096, 32 * 1024, 48)}
-# kd_bwd_kernel of distill_loss (the cross-entropy term on) at 32 warps and 16-byte aligned
-# rows: jaxlib's compiler gives it more than 32 registers a thread, so one 1024-thread program
-# an SM where kd_loss's (32 registers) gets two. Capped at 32 (2 x H200, vocabulary-sharded,
-# N=16384, V=128256 bf16, K=64, value_and_grad, time_jax, benchmarks/NOTES.md): distill_loss
-# 2.18 -> 1.81 ms (kd_loss 1.75 either way); caps of 40 / 48 were slower (2.20 / 2.20).
+# kd_bwd_kernel of distill_loss (the cross-entropy term on) at 16 or 32 warps and 16-byte
+# aligned rows: jaxlib's compiler gives it more than 32 registers a thread, so fewer programs an
+# SM than kd_loss's (32 registers). Capped at 32 (2 x H200, vocabulary-sharded, N=16384,
+# V=128256 bf16, K=64, value_and_grad, time_jax, benchmarks/NOTES.md): distill_loss 2.18 ->
+# 1.81 ms (kd_loss 1.75 either way); caps of 40 / 48 were slower (2.20 / 2.20). At 16 warps
+# (H100, the kernel alone, see BWD_SLICE_MIN_TILE): [32768, 32064] 1.80 -> 1.54 ms, [8192,
+# 8064] 0.195 -> 0.144; at 8 warps the cap changes nothing (1.648 / 1.647).
 KD_BWD_DISTILL_MAXNREG = 32
 # Polls of a program waiting for its row's other programs before it hands its slice to the
 # row's last program (kernels/cross_entropy.row_exchange).
@@ -217,16 +219,20 @@ class RowConfig(NamedTuple):
 
 
 def row_config(n_rows: int, vocab: int, num_sms: int = DEFAULT_NUM_SMS,
-               write_grad: bool = False, keep: int = 0) -> RowConfig:
+               write_grad: bool = False, keep: int = 0,
+               grad_tile: int | None = None) -> RowConfig:
     """Tile, warps and split count for a row-wise online-softmax pass over `[n_rows, vocab]`
     (the measured optimum is in elements for both bf16 and fp32, so the dtype is no input).
 
     `write_grad`: the pass also writes a `[n_rows, vocab]` gradient (bigger tiles pay off).
     `keep`: tiles the fused row walk keeps in registers (keep_tiles; the cross-entropy kernel
     only), which turns the prefetch off; ignored on the split path.
+    `grad_tile`: the tile of a pass that writes the gradient, many rows (GRAD_TILE_ELEMS if
+    None; bwd_slice_tile for the gradient of a vocabulary slice).
     """
     if n_rows >= PROGRAMS_PER_SM * num_sms:
-        block_v, num_warps = _tile(vocab, GRAD_TILE_ELEMS if write_grad else FWD_TILE_ELEMS)
+        block_v, num_warps = _tile(vocab, (grad_tile or GRAD_TILE_ELEMS) if write_grad
+                                   else FWD_TILE_ELEMS)
         keep = keep if write_grad else 0
         return RowConfig(block_v, num_warps, 1, triton.cdiv(vocab, block_v) * block_v,
                          vocab_align(vocab), write_grad and vocab >= PREFETCH_MIN_VOCAB and not keep,
@@ -268,6 +274,26 @@ def _tile(vocab: int, max_tile: int) -> tuple[int, int]:
     vector loads), 4 to 32 warps."""
     block_v = max(16, min(triton.next_power_of_2(max(vocab, 1)), max_tile))
     return block_v, min(32, max(4, block_v // 512))
+
+
+# The tile of kd_bwd_kernel on many rows (one program a row: a device's vocabulary slice, a
+# block of the LM head's vocabulary walk): a quarter of the row rounded up to a power of two,
+# within [BWD_SLICE_MIN_TILE, GRAD_TILE_ELEMS]. H100, bf16, K=64, T=1, the kernel alone from
+# JAX (time_jax), ms for kd_loss / distill_loss (the latter capped at KD_BWD_DISTILL_MAXNREG),
+# tiles 16384 / 8192 / 4096 / 2048:
+#   [32768, 32064] (a 4-way slice of V=128256): 1.69 / 1.53 / 1.65 / 1.69 and 1.76 / 1.54 /
+#     1.65 / 1.68 (uncapped at 8192: 1.80);
+#   [16384, 64128] (2-way): 1.48 / 1.55 / 1.59 / 1.60 and 1.49 / 1.55 / 1.59 / 1.59;
+#   [8192, 8064] (a block of the LM head's walk; 16384 and 8192 are one tile there): 0.131 /
+#     0.131 / 0.115 / 0.126 and 0.144 / 0.144 / 0.120 / 0.122 (uncapped at 8192: 0.195).
+# Whole rows of V=128256 keep GRAD_TILE_ELEMS.
+BWD_SLICE_MIN_TILE = 4096
+
+
+def bwd_slice_tile(vocab: int) -> int:
+    """kd_bwd_kernel's tile for rows of `vocab` columns (see BWD_SLICE_MIN_TILE)."""
+    quarter = triton.next_power_of_2(max(vocab, 1)) // 4
+    return min(GRAD_TILE_ELEMS, max(BWD_SLICE_MIN_TILE, quarter))
 
 
 def vocab_align(*sizes: int) -> int:
