@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import math
 import os
-import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from benchmarks import timing
@@ -43,17 +42,17 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fusedloss as jfl
 
-COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\b(all-gather|all-to-all|collective-permute|"
-                        r"all-reduce|reduce-scatter)(?:-start)?\(")
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
 
 
 def comm_bytes(hlo: str) -> int:
-    total = 0
-    for m in COLLECTIVE.finditer(hlo):
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        total += int(np.prod(dims)) * BYTES.get(m.group(1), 4)
-    return total
+    """Bytes of the arrays the compiled program's collectives produce (tests/multidevice_check:
+    synchronous and async forms, single and tuple results; until 2026-11-26 the tuple and
+    async forms were missed, so rows before then may under-count)."""
+    from tests.multidevice_check import collectives
+
+    return sum(math.prod(dims) * BYTES.get(dtype, 4) for _, arrays, _ in collectives(hlo)
+               for dtype, dims in arrays)
 
 
 def time_ms(f, *args) -> float:

@@ -29,8 +29,25 @@ import jax_fusedloss as jfl  # noqa: E402
 # vocabulary axis: correct values and gradients, logits-sized collectives expected), and all
 # labels of the first token shard ignored.
 ODD = os.environ.get("JFL_CHECK_ODD") == "1"
-COLLECTIVE = re.compile(r"=\s*(\w+)\[([\d,]*)\][^=]*?\b(all-gather|all-to-all|collective-permute|"
-                        r"all-reduce|reduce-scatter)\(")
+_COLLECTIVE = re.compile(r"=\s*(\([^=]*?\)|\w+\[[\d,]*\](?:\{[^}=]*\})?)\s+(all-gather|all-to-all|"
+                         r"collective-permute|all-reduce|reduce-scatter)(-start)?\(")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def collectives(hlo: str) -> list[tuple[str, list[tuple[str, tuple[int, ...]]], str]]:
+    """(op, [(dtype, dims) of each array it produces], text) of every collective in HLO text:
+    synchronous, or the -start of an async pair (XLA:GPU's form; its -done repeats the
+    shapes), with one result or a tuple of them (combined collectives: every operand of a
+    tuple all-reduce is reduced). The tuple of an async all-gather / permute / all-to-all
+    start holds its operands and context words too: the largest array stands for it."""
+    out = []
+    for m in _COLLECTIVE.finditer(hlo):
+        arrays = [(t, tuple(int(d) for d in dims.split(",") if d))
+                  for t, dims in _ARRAY.findall(m.group(1))]
+        if m.group(3) and m.group(2) != "all-reduce" and arrays:
+            arrays = [max(arrays, key=lambda a: int(np.prod(a[1])))]
+        out.append((m.group(2), arrays, m.group(0)[:120]))
+    return out
 
 
 def ops(n: int, vocab: int, k: int, dtype):
@@ -94,14 +111,11 @@ def leftover_sharding_calls(hlo: str) -> int:
     return hlo.count('custom_call_target="Sharding"')
 
 
-def big_collectives(hlo: str, limit: int) -> list[str]:
-    """Collectives in compiled HLO whose result holds at least `limit` elements."""
-    out = []
-    for m in COLLECTIVE.finditer(hlo):
-        dims = [int(d) for d in m.group(2).split(",") if d]
-        if int(np.prod(dims)) >= limit:
-            out.append(m.group(0)[:120])
-    return out
+def big_collectives(hlo: str, limit: int, allow: tuple = ()) -> list[str]:
+    """Collectives in compiled HLO with an array of at least `limit` elements, arrays of the
+    shapes in `allow` (expected ones: a weight gradient's reduction) aside."""
+    return [text for _, arrays, text in collectives(hlo)
+            if any(int(np.prod(dims)) >= limit and dims not in allow for _, dims in arrays)]
 
 
 def main(impl: str, only: str | None = None) -> int:

@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_fusedloss as jfl  # noqa: E402
-from tests.multidevice_check import COLLECTIVE, leftover_sharding_calls  # noqa: E402
+from tests.multidevice_check import collectives, leftover_sharding_calls  # noqa: E402
 
 N, D, V, CHUNK = 128, 16, 96, 32  # local chunks: 2 or 4 (ragged ones: single-device tests)
 TOL = 1e-4
@@ -109,13 +109,12 @@ def bad_collectives(hlo: str, ndev: int, logits_only: bool = False) -> list[str]
     """All-gathers (or all-to-alls, permutes) of a device's share of W or of the hidden states,
     and all-reduces of a device's share of the logits (only the latter with `logits_only`)."""
     out = []
-    for m in COLLECTIVE.finditer(hlo):
-        size = int(np.prod([int(d) for d in m.group(2).split(",") if d]))
-        if logits_only and m.group(3) != "all-reduce":
+    for op, arrays, text in collectives(hlo):
+        if logits_only and op != "all-reduce":
             continue
-        limit = N * V // ndev if m.group(3) == "all-reduce" else min(N, V) * D // ndev
-        if size >= limit:
-            out.append(m.group(0)[:120])
+        limit = N * V // ndev if op == "all-reduce" else min(N, V) * D // ndev
+        if any(int(np.prod(dims)) >= limit for _, dims in arrays):
+            out.append(text)
     return out
 
 
