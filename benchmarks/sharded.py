@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks import timing
+from benchmarks import record, timing
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -198,7 +198,7 @@ def main() -> None:
     if args.head or args.kd:
         meta = dict(device=jax.devices()[0].device_kind, n_devices=len(jax.devices()),
                     jax=jax.__version__, date=datetime.date.today().isoformat(),
-                    V=args.vocab, dtype="bfloat16")
+                    commit=record.commit(), V=args.vocab, dtype="bfloat16")
         if args.kd:
             return _write(args.out, "sharded_kd.csv", kd_rows(args, meta))
         return _write(args.out, "sharded_head.csv", head_rows(args, meta))
@@ -209,7 +209,8 @@ def main() -> None:
     y = jax.random.randint(jax.random.key(1), (n,), 0, vocab)
     rows = []
     meta = dict(device=devs[0].device_kind, n_devices=n_dev, jax=jax.__version__,
-                date=datetime.date.today().isoformat(), N=n, V=vocab, dtype="bfloat16")
+                date=datetime.date.today().isoformat(), commit=record.commit(), N=n, V=vocab,
+                dtype="bfloat16")
 
     # One device, per-device token count: the reference for the sharded rows.
     x1, y1 = x[: args.tokens_per_device], y[: args.tokens_per_device]
