@@ -81,7 +81,7 @@ def _triton_vocab_stats(x, opts: KDOptions, gather=None):
     else:
         ids, y, off = gather
         outs = _triton_jax.run_rows(plan, ("x", "ids", "y", "offset"), x, ids, y,
-                                    jnp.broadcast_to(off, y.shape).astype(jnp.int32))
+                                    _row_offsets(off, x.shape[0]))
     part = outs[0]
     m_i = part[..., 0]
     m = m_i.max(axis=1)
@@ -102,6 +102,12 @@ def _triton_slice_bwd(x, ids, lp, y, stats, opts: KDOptions, axes):
     vocab = x.shape[1]
     return triton_block_bwd(x, ids, lp, y, stats, opts, _sharding.slice_offset(vocab, axes),
                             _sharding.global_vocab(vocab, axes))
+
+
+def _row_offsets(off, n: int):
+    """A block's or slice's first global column `off` as the kernels' `offset` input: one
+    int32 a row."""
+    return jnp.broadcast_to(off, (n,)).astype(jnp.int32)
 
 
 def _local_ids(ids, off, vocab: int):
@@ -129,7 +135,7 @@ def triton_block_bwd(x, ids, lp, y, stats, opts: KDOptions, off, total: int):
                               **_slice_options(x, opts))
 
     return _triton_jax.run_rows(plan, ("x", "ids", "lp", "y", "stats", "offset"), x, ids_local,
-                                lp, y, stats, jnp.broadcast_to(off, (n,)))[0]
+                                lp, y, stats, _row_offsets(off, n))[0]
 
 
 # ----------------------------------------------------------------------------- row functions
@@ -251,7 +257,7 @@ def _triton_tail_bwd(x, ids, lp, y, stats, opts: KDOptions, off=None, total: int
     if off is not None:
         names += ("offset",)
         arrays = (x, _local_ids(ids, off, x.shape[1]), lp, y, stats,
-                  jnp.broadcast_to(off, x.shape[:1]).astype(jnp.int32))
+                  _row_offsets(off, x.shape[0]))
 
     def plan(rows, vocab):
         return kd_tail.tail_bwd_plan(rows, vocab, ids.shape[-1], num_sms=_triton_jax.num_sms(),

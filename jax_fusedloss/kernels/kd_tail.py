@@ -573,10 +573,10 @@ def tail_ids_kernel(
 def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, v_total, col0, inv_temp, ignore_index, smoothing, z_loss, softcap,
               beta, log_b, log_1mb, start, stop, xk_row, BLOCK_K: tl.constexpr,
-              K_CHUNK: tl.constexpr,
-              DISTILL: tl.constexpr, JSD: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr, DENSE: tl.constexpr,
-              BLOCK_V: tl.constexpr, ALIGN: tl.constexpr, FROM_XK: tl.constexpr):
+              K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
+              DENSE: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
+              FROM_XK: tl.constexpr):
     """The gradient of columns [start, stop) of a row from its statistics: (DENSE) the dense
     part, then, after a barrier, the id and label columns (without DENSE: only those); with
     FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats). The logits
