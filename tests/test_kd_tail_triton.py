@@ -124,6 +124,20 @@ def test_tiny_tail_mass_without_cancellation(monkeypatch, divergence):
           impl="triton", rtol=1e-4, atol=1e-9)
 
 
+
+@pytest.mark.parametrize("fn, divergence", [("kd", "kl"), ("kd", "jsd"), ("distill", "jsd")])
+def test_repeated_id_check_per_program(monkeypatch, fn, divergence):
+    """tail_dups_kernel's two paths in one launch: programs of 2 rows, of which the first
+    holds make_inputs' repeated id (the sums and order of the entries) and the others none
+    (the check alone, every valid entry its own id; masked and out-of-range entries too)."""
+    from jax_fusedloss.kernels import kd_tail
+
+    monkeypatch.setattr(kd_tail, "DUPS_ROWS", 2)
+    opts = dict(tail=True, divergence=divergence, temperature=1.5)
+    if fn == "distill":
+        opts.update(alpha=0.4)
+    check(fn, opts, impl="triton")
+
 def test_special_rows():
     """The full teacher distribution as its top-K (tail mass 0) and a matching student: both
     divergences are 0; all-masked rows are 0 and not counted."""

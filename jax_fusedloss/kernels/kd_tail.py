@@ -29,6 +29,8 @@ overwrites after a barrier (the fused forward), else in an int32 [N, ceil(V / 32
 (the statistics-only forward, a gradient written over the logits, rows too short to hold
 it).
 The edge tile of an unaligned row (at most 2 * VEC - 2 columns) compares against every id.
+Which entries list the same id (D, P_d) comes from a launch of its own before the walk
+(tail_dups_kernel): that comparison in the row program cost the walk its registers.
 
 With G_b = dF/dQ_b and C = sum_b G_b Q_b the gradient w.r.t. s_j is q_j (G_b(j) - C): on a tail
 column alpha1 q_j + alpha2 q_j / Q_t (kl: alpha1 = P_D + P_t, alpha2 = -P_t; jsd: alpha1 =
@@ -64,6 +66,10 @@ from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeho
 # exp((z_j - r) / T - lgS_t), softmax(z)_j = exp((z_j - r) - lg_x); the row weights at 3:5.
 TAIL_FIELDS = tl.constexpr(10)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# tail_dups_kernel's rows a program, warps, and entries a load of its repeat check
+DUPS_ROWS = 32
+DUPS_WARPS = 4
+DUPS_STEP = 16
 BITMAP_ZERO_BLOCK = 1024  # int32 words of the id bitmap _mark_ids zeroes at once
 # Whole tiles tail_fwd_kernel's walk keeps in registers for its gradient pass (as
 # launch.KD_KEEP_VOCAB; rows of one exponential a logit only), per itemsize: the vocabulary
@@ -115,6 +121,72 @@ def _duplicates(ids_ptr, lp_ptr, row, V, K, active, ids, BLOCK_K: tl.constexpr,
         count += tl.sum(tl.where(same, 1.0, 0.0), axis=1)
         before += tl.sum(tl.where(same & (jj[None, :] < kk[:, None]), 1.0, 0.0), axis=1)
     return sum_p, count, before
+
+
+@triton.jit
+def tail_dups_kernel(
+    # pointers: ids / logprobs [N, K] (-1: no entry)
+    ids_ptr, logprobs_ptr,
+    # sizes
+    N, V, K,
+    # outputs: dup [N, K]
+    dup_ptr,
+    # constexprs
+    ROWS: tl.constexpr, BLOCK_K: tl.constexpr, STEP: tl.constexpr,
+):
+    """Grid (cdiv(N, ROWS),): where each teacher entry stands among its row's entries that
+    list its id, for tail_fwd_kernel and tail_ids_kernel (_row_dups): -1 where the entry is
+    not valid or an earlier entry lists its id, -2 where it is its id's only entry, else (the
+    first of several) the sum of their p (as _duplicates). A launch of its own: the O(K^2)
+    comparison in the row walk's program, even skipped, cost the walk registers (H100,
+    V=128256 bf16: 0.15 ms of 1.87). ROWS rows a program, each entry against entry j at step
+    j. (This kernel alone, H100, N=8192, K=64, distinct ids: 27 us with the sums and counts
+    computed for every row, 16 us with the check first, 12 us with STEP entries a load.)"""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    kk = tl.arange(0, BLOCK_K)
+    live = (rows < N)[:, None] & (kk < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + kk[None, :]
+    ids = tl.load(ids_ptr + offs, mask=live, other=-1)
+    lp = tl.load(logprobs_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    valid = (ids >= 0) & (ids < V)
+    p = tl.where(valid, tl.exp(tl.where(valid, lp, 0.0)), 0.0)  # as _entries'
+    ids = tl.where(valid, ids, -1)
+    # first whether any row of the program lists an id twice (a compare a pair), then only
+    # then the sums, counts and order of the repeated entries
+    again = tl.zeros([ROWS, BLOCK_K], tl.int32)
+    jc = tl.arange(0, STEP)
+    for j0 in range(0, K, STEP):  # STEP entries a load, then one a step from registers
+        blk = tl.load(ids_ptr + rows.to(tl.int64)[:, None] * K + j0 + jc[None, :],
+                      mask=(rows < N)[:, None] & (j0 + jc < K)[None, :], other=-1)
+        for jj in tl.static_range(STEP):
+            idj = tl.sum(tl.where(jc[None, :] == jj, blk, 0), axis=1)
+            again |= ((ids == idj[:, None]) & (kk[None, :] != j0 + jj)).to(tl.int32)
+    dup = tl.where(valid, -2.0, -1.0)
+    if tl.max(tl.max(tl.where(valid, again, 0), axis=1), axis=0) != 0:
+        sum_p = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        count = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        before = tl.zeros([ROWS, BLOCK_K], tl.float32)
+        for j in range(0, K):
+            at = kk[None, :] == j  # entry j of every row, from registers
+            idj = tl.sum(tl.where(at, ids, 0), axis=1)
+            pj = tl.sum(tl.where(at, p, 0.0), axis=1)
+            same = (ids == idj[:, None]) & valid
+            sum_p += tl.where(same, pj[:, None], 0.0)
+            count += tl.where(same, 1.0, 0.0)
+            before += tl.where(same & (kk[None, :] > j), 1.0, 0.0)
+        dup = tl.where(valid & (before == 0.0), tl.where(count > 1.0, sum_p, -2.0), -1.0)
+    tl.store(dup_ptr + offs, dup, mask=live)
+
+
+@triton.jit
+def _row_dups(dup_ptr, row, K, valid, p, kk):
+    """(first, repeated, sum_p) of a row's entries from tail_dups_kernel's dup: the entries
+    that stand for their id (`first`), those among them whose id other entries list too, and
+    P_d at them (the entry's p where its id is listed once)."""
+    dup = tl.load(dup_ptr + row * K + kk, mask=kk < K, other=-1.0)
+    first = valid & (dup != -1.0)
+    repeated = first & (dup >= 0.0)
+    return first, repeated, tl.where(repeated, dup, p)
 
 
 @triton.jit
@@ -343,22 +415,20 @@ def _write_dense(x_ptr, x_off, g_ptr, g_off, r, off_s, sgn_s, off_x, sgn_x, c, i
 
 
 @triton.jit
-def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, valid, lp, zk, dzk,
+def _write_ids(x_row, g_row, active, label, ids, valid, first, repeated, sum_p, lp, zk, dzk,
                r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b, c, inv_temp, beta,
-               log_b, log_1mb, softcap, start, stop, xy_ptr, BLOCK_K: tl.constexpr,
-               K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
+               log_b, log_1mb, softcap, start, stop, xy_ptr, DISTILL: tl.constexpr,
+               JSD: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr,
                LABEL_FROM_XK: tl.constexpr):
-    """Overwrites the columns of [start, stop) at the valid teacher ids (their complete values,
-    identical for duplicates) and (distill) the label column when it is not an id (its dense
-    value - b; its raw logit at x_row[label], or at xy_ptr with LABEL_FROM_XK). The dense
-    values must be visible first."""
-    sum_p, count, _before = _duplicates(ids_ptr, lp_ptr, row, V, K, active, ids, BLOCK_K,
-                                        K_CHUNK)
+    """Overwrites the columns of [start, stop) at the valid teacher ids (each from the entry
+    that stands for its id, `first`; `repeated`, `sum_p` as _row_dups gives them) and
+    (distill) the label column when it is not an id (its dense value - b; its raw logit at
+    x_row[label], or at xy_ptr with LABEL_FROM_XK). The dense values must be visible
+    first."""
     lq = (zk - r) * inv_temp - lgS
     q = tl.exp(lq)
     if JSD:
-        lP = tl.where(count > 1.0, _log(sum_p), lp)
+        lP = tl.where(repeated, _log(sum_p), lp)
         lM = _logaddexp(log_b + lP, log_1mb + lq)
         v = tl.where(q > 0.0, q * ((1.0 - beta) * (lq - lM) - C), 0.0)
     else:
@@ -368,7 +438,7 @@ def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, val
         g += a * tl.exp((zk - r) - lg_x) - tl.where(ids == label, b, 0.0) - c
     if HAS_SOFTCAP:
         g = g * dzk
-    own = valid & (ids >= start) & (ids < stop)
+    own = first & (ids >= start) & (ids < stop)
     if DISTILL:
         is_id = tl.max(tl.where(valid & (ids == label), 1, 0), axis=0)
         y = tl.where(active & (is_id == 0), label, -1)
@@ -390,8 +460,8 @@ def _write_ids(x_row, g_row, ids_ptr, lp_ptr, row, V, K, active, label, ids, val
 @triton.jit
 def tail_fwd_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K] (-1: no entry), labels [N], row_scale
-    # [N, 2] = (ce, kd)
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr,
+    # [N, 2] = (ce, kd), tail_dups_kernel's dup [N, K]
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, row_scale_ptr, dup_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
     # outputs: loss [N], stats [N, TAIL_FIELDS], grad [N, V] (WRITE_GRAD; with IN_PLACE the
@@ -423,6 +493,7 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
+    first, repeated, sum_p = _row_dups(dup_ptr, row, K, valid, p, kk)  # loads before the walk
     if BITMAP_IN_GRAD:
         ITEM: tl.constexpr = grad_ptr.dtype.element_ty.primitive_bitwidth // 8
         g8 = (grad_ptr + row * V).to(tl.pointer_type(tl.int8))
@@ -438,9 +509,6 @@ def tail_fwd_kernel(
         "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP, ZERO_BLOCK)
     if BITMAP_IN_GRAD:
         tl.debug_barrier()  # every thread's bitmap reads before the dense pass overwrites it
-    sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids, BLOCK_K,
-                                       K_CHUNK)
-    first = valid & (before == 0.0)
     # the whole row from its tail and its distinct ids, relative to r: S = S_t + S_D, sums of
     # positive terms (no cancellation); m the row's max (NaN and +inf as the walk's would be)
     m = tl.maximum(m_t, tl.max(tl.where(first, zk, float("-inf")), axis=0))
@@ -458,7 +526,7 @@ def tail_fwd_kernel(
     lgS = _log(s_all)
     lgS_t = _log(s_t)
     lQ = (zk - r) * inv_temp - lgS
-    lP = tl.where(count > 1.0, _log(sum_p), lp)
+    lP = tl.where(repeated, _log(sum_p), lp)
     P = tl.sum(p, axis=0)
     covers = tl.sum(tl.where(first, 1, 0), axis=0) >= V
     P_t = tl.where(covers, 0.0, tl.maximum(0.0, 1.0 - P))
@@ -545,8 +613,9 @@ def _row_coefs(labels_ptr, stats_ptr, row, v_total, col0, ignore_index, smoothin
 @triton.jit
 def tail_ids_kernel(
     # pointers: logits [N, V], ids / logprobs [N, K], labels [N], tail_fwd_kernel's stats
-    # [N, TAIL_FIELDS], grad [N, V] (aliased to the output) and (FROM_XK) xk [N, K + 1]
-    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_in_ptr, xk_ptr,
+    # [N, TAIL_FIELDS], grad [N, V] (aliased to the output), (FROM_XK) xk [N, K + 1],
+    # tail_dups_kernel's dup [N, K]
+    logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_in_ptr, xk_ptr, dup_ptr,
     # sizes, strides, options
     V, K, stride_row, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b, log_1mb,
     # outputs (in place)
@@ -565,23 +634,24 @@ def tail_ids_kernel(
     row = tl.program_id(0).to(tl.int64)
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, V, 0, inv_temp, ignore_index, smoothing, z_loss, softcap, beta, log_b,
-              log_1mb, 0, V, xk_ptr + row * (K + 1), BLOCK_K, K_CHUNK, DISTILL, JSD,
-              HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, False, 0, 0, FROM_XK)
+              log_1mb, 0, V, xk_ptr + row * (K + 1), dup_ptr, BLOCK_K, K_CHUNK, DISTILL, JSD,
+              HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, False, 0, 0, FROM_XK, True)
 
 
 @triton.jit
 def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, v_total, col0, inv_temp, ignore_index, smoothing, z_loss, softcap,
-              beta, log_b, log_1mb, start, stop, xk_row, BLOCK_K: tl.constexpr,
+              beta, log_b, log_1mb, start, stop, xk_row, dup_ptr, BLOCK_K: tl.constexpr,
               K_CHUNK: tl.constexpr, DISTILL: tl.constexpr, JSD: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_ZLOSS: tl.constexpr,
               DENSE: tl.constexpr, BLOCK_V: tl.constexpr, ALIGN: tl.constexpr,
-              FROM_XK: tl.constexpr):
+              FROM_XK: tl.constexpr, FROM_DUP: tl.constexpr):
     """The gradient of columns [start, stop) of a row from its statistics: (DENSE) the dense
     part, then, after a barrier, the id and label columns (without DENSE: only those); with
-    FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats). The logits
-    are columns [col0, col0 + V) of rows of v_total (the ids given relative to col0, -1
-    outside)."""
+    FROM_XK the raw logits at the ids and label come from xk_row (K + 1 floats), with
+    FROM_DUP the entries' duplicates from tail_dups_kernel's dup (else compared here). The
+    logits are columns [col0, col0 + V) of rows of v_total (the ids given relative to col0,
+    -1 outside)."""
     (label, active, lgS, lg_x, a1, C, kd_a, r, off_s, sgn_s, off_x, sgn_x, a, b,
      c) = _row_coefs(labels_ptr, stats_ptr, row, v_total, col0, ignore_index, smoothing,
                      z_loss, inv_temp, DISTILL, HAS_ZLOSS)
@@ -591,18 +661,24 @@ def _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr
                      HAS_SOFTCAP, HAS_SMOOTHING)
         tl.debug_barrier()  # the id columns overwrite dense values other threads wrote
     x_row = logits_ptr + row * stride_row
-    ids, valid, lp, _p = _entries(ids_ptr, logprobs_ptr, row, V, K, active,
-                                  tl.arange(0, BLOCK_K))
+    kk = tl.arange(0, BLOCK_K)
+    ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
+    if FROM_DUP:
+        first, repeated, sum_p = _row_dups(dup_ptr, row, K, valid, p, kk)
+    else:
+        sum_p, count, before = _duplicates(ids_ptr, logprobs_ptr, row, V, K, active, ids,
+                                           BLOCK_K, K_CHUNK)
+        first = valid & (before == 0.0)
+        repeated = first & (count > 1.0)
     if FROM_XK:
-        kk = tl.arange(0, BLOCK_K)
         zk, dzk = load_z(xk_row, kk, kk < K, softcap, HAS_SOFTCAP, "", True)
         zk = tl.where(valid, zk, 0.0)  # as _gather
     else:
         zk, dzk = _gather(x_row, ids, valid, softcap, HAS_SOFTCAP)
-    _write_ids(x_row, grad_ptr + row * V, ids_ptr, logprobs_ptr, row, V, K, active, label, ids,
-               valid, lp, zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b,
-               c, inv_temp, beta, log_b, log_1mb, softcap, start, stop, xk_row + K, BLOCK_K,
-               K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, FROM_XK)
+    _write_ids(x_row, grad_ptr + row * V, active, label, ids, valid, first, repeated, sum_p, lp,
+               zk, dzk, r, lgS, lg_x, a1, C, kd_a, off_s, sgn_s, off_x, sgn_x, a, b, c,
+               inv_temp, beta, log_b, log_1mb, softcap, start, stop, xk_row + K, DISTILL, JSD,
+               HAS_SOFTCAP, HAS_SMOOTHING, FROM_XK)
 
 
 @triton.jit
@@ -632,8 +708,8 @@ def tail_bwd_kernel(
     _ids_tail(logits_ptr, ids_ptr, logprobs_ptr, labels_ptr, stats_ptr, grad_ptr, row, V, K,
               stride_row, v_total, col0, inv_temp, ignore_index, smoothing, z_loss, softcap,
               beta, log_b, log_1mb, start, tl.minimum(start + SPLIT_V, V), logprobs_ptr,
-              BLOCK_K, K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING, HAS_ZLOSS, True,
-              BLOCK_V, ALIGN, False)
+              logprobs_ptr, BLOCK_K, K_CHUNK, DISTILL, JSD, HAS_SOFTCAP, HAS_SMOOTHING,
+              HAS_ZLOSS, True, BLOCK_V, ALIGN, False, False)
 
 
 # ----------------------------------------------------------------------------- launch plans
@@ -661,7 +737,8 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                   in_place: bool = False) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, TAIL_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad; with in_place written over x, for logits that
-    are dead after the call: the LM head's chunks): one program per row walks its
+    are dead after the call: the LM head's chunks): tail_dups_kernel finds the rows' repeated
+    teacher ids, then one program per row walks its
     vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
     with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
     TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
@@ -687,8 +764,11 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                and vocab * itemsize >= 4 * words + 3)
     bitmap = placeholder("bitmap", "int32") if in_grad else Buf("bitmap", (n, words), "int32")
     xk = Buf("xk", (n, k + 1), "float32") if in_place else placeholder("xk")
-    launches = [Launch(
-        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale"), scalars,
+    dups = Launch(tail_dups_kernel, (triton.cdiv(n, DUPS_ROWS),), ("ids", "lp"), (n, vocab, k),
+                  (Buf("dup", (n, k), "float32"),), DUPS_WARPS,
+                  dict(ROWS=DUPS_ROWS, BLOCK_K=flags["BLOCK_K"], STEP=DUPS_STEP))
+    launches = [dups, Launch(
+        tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "dup"), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad,
          bitmap, xk),
         warps,
@@ -701,7 +781,8 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
         # in place the logits are gone: the ids' and label's come from xk
         logits = Zeros((1,), LOGITS) if in_place else "x"
         launches.append(Launch(
-            tail_ids_kernel, (n,), (logits, "ids", "lp", "y", "stats", "grad", "xk"), scalars,
+            tail_ids_kernel, (n,), (logits, "ids", "lp", "y", "stats", "grad", "xk", "dup"),
+            scalars,
             (Buf("grad", (n, vocab), LOGITS),), KD_IDS_WARPS,
             dict(ALIGN=align, FROM_XK=in_place, **flags), aliases=((5, 0),),
             partial_alias=True))
