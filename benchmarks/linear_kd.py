@@ -18,7 +18,9 @@ Default shape N=8192, D=4096, V=128256, K=64, bf16, weight `[V, D]`. Rows:
   benchmarks/run.py); logits-kd-xla-{tail,jsd}: the same through the XLA rows;
   logits-naive-kd[-tail|-jsd]: the naive XLA formula on the logits (full float32
   log-softmax, a gather, XLA's autodiff), against the same floor.
-  `--only logits-` runs these rows alone.
+  `--only logits-` runs these rows alone; a later `--only` run into the same CSV takes
+  its ratios from the matmuls-floor row an earlier one wrote (same commit, device, shape,
+  day).
 Time: median (20th-80th percentile) ms of the host wall of the jitted step in a loop
 (benchmarks/timing.py). Memory: `temp_gib`, XLA's temporaries beyond inputs and outputs (the
 buffer assignment's memory_analysis). Rows go to `<out>/linear_kd.csv` with device, versions
@@ -125,6 +127,18 @@ def _case(name, h, w, y, ids, lp, t):
     return jax.jit(jax.value_and_grad(loss, (0, 1))), (h, w), None
 
 
+def _earlier_floor(path: Path, meta: dict) -> float | None:
+    """The matmuls-floor of an earlier invocation into the same CSV by the same commit on the
+    same device, shape and day (a run split by --only), or None."""
+    if not path.exists():
+        return None
+    keys = ("date", "device", "commit", "n", "d", "v", "k")
+    with path.open() as f:
+        rows = [r for r in csv.DictReader(f) if r["case"] == "matmuls-floor"
+                and all(r[k] == str(meta[k]) for k in keys)]
+    return float(rows[-1]["median_ms"]) if rows else None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -149,7 +163,7 @@ def main(argv=None) -> None:
                 versions=record.versions(), n=args.n, d=args.d, v=args.v, k=args.k)
     path = out / "linear_kd.csv"
     new = not path.exists()
-    floor_ms = None
+    floor_ms = _earlier_floor(path, meta)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         if new:
