@@ -125,18 +125,23 @@ def test_tiny_tail_mass_without_cancellation(monkeypatch, divergence):
 
 
 
-@pytest.mark.parametrize("fn, divergence", [("kd", "kl"), ("kd", "jsd"), ("distill", "jsd")])
-def test_repeated_id_check_per_program(monkeypatch, fn, divergence):
+@pytest.mark.parametrize("fn, divergence, k", [("kd", "kl", 5), ("kd", "jsd", 5),
+                                                ("distill", "jsd", 5), ("kd", "kl", 37)])
+def test_repeated_id_check_per_program(monkeypatch, fn, divergence, k):
     """tail_dups_kernel's two paths in one launch: programs of 2 rows, of which the first
     holds make_inputs' repeated id (the sums and order of the entries) and the others none
-    (the check alone, every valid entry its own id; masked and out-of-range entries too)."""
+    (the check alone, every valid entry its own id; masked and out-of-range entries too);
+    K=37: the check's loads of 16 entries, the last one partial, and 3 more repeats."""
     from jax_fusedloss.kernels import kd_tail
 
     monkeypatch.setattr(kd_tail, "DUPS_ROWS", 2)
+    x, y, ids, lp, mask, w = make_inputs(vocab=50, k=k)
+    if k > 16:
+        ids = ids.at[2, 30].set(ids[2, 3]).at[2, 36].set(ids[2, 3]).at[5, 17].set(ids[5, 33])
     opts = dict(tail=True, divergence=divergence, temperature=1.5)
     if fn == "distill":
         opts.update(alpha=0.4)
-    check(fn, opts, impl="triton")
+    check(fn, opts, inputs=(x, y, ids, lp, mask, w), impl="triton")
 
 def test_special_rows():
     """The full teacher distribution as its top-K (tail mass 0) and a matching student: both

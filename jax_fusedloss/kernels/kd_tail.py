@@ -66,8 +66,10 @@ from jax_fusedloss.kernels.plan import LOGITS, Buf, Launch, Plan, Zeros, placeho
 # exp((z_j - r) / T - lgS_t), softmax(z)_j = exp((z_j - r) - lg_x); the row weights at 3:5.
 TAIL_FIELDS = tl.constexpr(10)
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-# tail_dups_kernel's rows a program, warps, and entries a load of its repeat check
+# tail_dups_kernel's rows a program (fewer where [rows, BLOCK_K] would pass DUPS_TILE
+# entries), warps, and entries a load of its repeat check
 DUPS_ROWS = 32
+DUPS_TILE = 2048
 DUPS_WARPS = 4
 DUPS_STEP = 16
 BITMAP_ZERO_BLOCK = 1024  # int32 words of the id bitmap _mark_ids zeroes at once
@@ -764,9 +766,10 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                and vocab * itemsize >= 4 * words + 3)
     bitmap = placeholder("bitmap", "int32") if in_grad else Buf("bitmap", (n, words), "int32")
     xk = Buf("xk", (n, k + 1), "float32") if in_place else placeholder("xk")
-    dups = Launch(tail_dups_kernel, (triton.cdiv(n, DUPS_ROWS),), ("ids", "lp"), (n, vocab, k),
+    rows = max(1, min(DUPS_ROWS, DUPS_TILE // flags["BLOCK_K"]))
+    dups = Launch(tail_dups_kernel, (triton.cdiv(n, rows),), ("ids", "lp"), (n, vocab, k),
                   (Buf("dup", (n, k), "float32"),), DUPS_WARPS,
-                  dict(ROWS=DUPS_ROWS, BLOCK_K=flags["BLOCK_K"], STEP=DUPS_STEP))
+                  dict(ROWS=rows, BLOCK_K=flags["BLOCK_K"], STEP=DUPS_STEP))
     launches = [dups, Launch(
         tail_fwd_kernel, (n,), ("x", "ids", "lp", "y", "row_scale", "dup"), scalars,
         (Buf("loss", (n,), "float32"), Buf("stats", (n, TAIL_FIELDS.value), "float32"), grad,
