@@ -739,10 +739,10 @@ def tail_fwd_plan(n: int, vocab: int, k: int, *, temperature: float, divergence:
                   in_place: bool = False) -> Plan:
     """x, ids, lp, y, row_scale [N, 2] -> loss, stats [N, TAIL_FIELDS] (and grad, the
     unit-cotangent gradient, with write_grad; with in_place written over x, for logits that
-    are dead after the call: the LM head's chunks): tail_dups_kernel finds the rows' repeated
-    teacher ids, then one program per row walks its
-    vocabulary once for the statistics and, with write_grad, once more for the dense gradient,
-    with kd_fwd_kernel's row configuration (launch.row_config: tiles, warps, prefetch, and
+    are dead after the call: the LM head's chunks): tail_dups_kernel finds the rows'
+    repeated teacher ids, then one program per row walks its vocabulary once for the
+    statistics and, with write_grad, once more for the dense gradient, with kd_fwd_kernel's
+    row configuration (launch.row_config: tiles, warps, prefetch, and
     TAIL_KEEP_VOCAB's kept tiles for `itemsize`-byte logits where the walk takes one
     exponential a logit; few rows take the same walk, one program a row); then
     tail_ids_kernel writes the id and label columns. The walk's id bitmaps live in the
