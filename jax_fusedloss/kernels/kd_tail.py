@@ -146,12 +146,10 @@ def tail_dups_kernel(
     computed for every row, 16 us with the check first, 12 us with STEP entries a load.)"""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     kk = tl.arange(0, BLOCK_K)
-    live = (rows < N)[:, None] & (kk < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + kk[None, :]
-    ids = tl.load(ids_ptr + offs, mask=live, other=-1)
-    lp = tl.load(logprobs_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    valid = (ids >= 0) & (ids < V)
-    p = tl.where(valid, tl.exp(tl.where(valid, lp, 0.0)), 0.0)  # as _entries'
+    # _entries of [ROWS, BLOCK_K] (rows past N read as row N - 1, none of their entries valid)
+    ids, valid, _lp, p = _entries(ids_ptr, logprobs_ptr,
+                                  tl.minimum(rows, N - 1).to(tl.int64)[:, None], V, K,
+                                  (rows < N)[:, None], kk[None, :])
     ids = tl.where(valid, ids, -1)
     # first whether any row of the program lists an id twice (a compare a pair), then only
     # then the sums, counts and order of the repeated entries
@@ -177,7 +175,8 @@ def tail_dups_kernel(
             count += tl.where(same, 1.0, 0.0)
             before += tl.where(same & (kk[None, :] > j), 1.0, 0.0)
         dup = tl.where(valid & (before == 0.0), tl.where(count > 1.0, sum_p, -2.0), -1.0)
-    tl.store(dup_ptr + offs, dup, mask=live)
+    tl.store(dup_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], dup,
+             mask=(rows < N)[:, None] & (kk < K)[None, :])
 
 
 @triton.jit
