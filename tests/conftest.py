@@ -31,6 +31,21 @@ except ImportError:  # hypothesis is in [dev]; without it test_properties.py is 
     pass
 
 
+def pytest_runtest_teardown(item):
+    """On a GPU, where one process runs real-size tests (peaks of tens of GB) one after
+    another beside child processes: torch's cached blocks go back to the device after each
+    test (on an 80 GB H100 the tests after the large ones ran out of memory, each passing
+    alone; JAX's own pool keeps its peak, see benchmarks/NOTES.md, eighteenth session)."""
+    if HAS_GPU:
+        import gc
+        import sys
+
+        gc.collect()
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_cpu = pytest.mark.skip(reason="interpreter test: runs only without a GPU")
