@@ -268,15 +268,16 @@ def _tile_fold(m, s_t, s_x, sumz, x, b, p0, mask, softcap, c_kd, HAS_SOFTCAP: tl
 def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.constexpr,
                 ALIGN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, DISTILL: tl.constexpr,
                 SHARE_EXP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, EVICTION: tl.constexpr,
-                PREFETCH: tl.constexpr, KEEP: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+                PREFETCH: tl.constexpr, KEEP: tl.constexpr):
     """One walk over a row's tail columns, as _ce_core.slice_stats' (the aligned tile walk,
     per-thread statistics merged once at the end, PREFETCH and KEEP as there, the bitmap
     bytes prefetched with the tiles): (m_t, S_t, s_xt, sum z, kept0, kept1) with m_t the max
     of z over the columns that are not teacher ids (`idv`: the ids, -1 where not valid;
-    marked in the int32 `bitmap` first, _mark_ids, except the edge tile's, compared
-    directly), S_t = sum exp((z - m_t) / T) over them and s_xt = sum exp(z - m_t) (DISTILL
-    without SHARE_EXP, else 0), both relative to safe_max(m_t); sum z over every column
-    (HAS_SMOOTHING). The ids' own terms are tail_fwd_kernel's, from their gathered logits."""
+    marked in the int32 `bitmap` by the caller before the walk, _mark_ids, except the edge
+    tile's, compared directly), S_t = sum exp((z - m_t) / T) over them and s_xt =
+    sum exp(z - m_t) (DISTILL without SHARE_EXP, else 0), both relative to safe_max(m_t);
+    sum z over every column (HAS_SMOOTHING). The ids' own terms are tail_fwd_kernel's, from
+    their gathered logits."""
     VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
     c_kd = inv_temp * LOG2E
     m = tl.full([], float("-inf"), tl.float32)
@@ -285,7 +286,6 @@ def _tail_stats(x_ptr, row_off, V, bitmap, idv, softcap, inv_temp, BLOCK_V: tl.c
     sumz = tl.zeros([], tl.float32)
     k0, k1, lo = vector_span(row_off, 0, V, ALIGN, VEC)
     span = k1 - k0
-    _mark_ids(bitmap, idv, idv >= 0, lo + k0, span, V, ZERO_BLOCK)
     bits8 = bitmap.to(tl.pointer_type(tl.int8))
     if ALIGN < VEC:
         cols, in_edge = edge_tile(0, V, lo, k1, VEC)
@@ -494,20 +494,29 @@ def tail_fwd_kernel(
     label, active, bad = _row_state(labels_ptr, row, V, ignore_index, DISTILL)
     kk = tl.arange(0, BLOCK_K)
     ids, valid, lp, p = _entries(ids_ptr, logprobs_ptr, row, V, K, active, kk)
-    first, repeated, sum_p = _row_dups(dup_ptr, row, K, valid, p, kk)  # loads before the walk
     if BITMAP_IN_GRAD:
         ITEM: tl.constexpr = grad_ptr.dtype.element_ty.primitive_bitwidth // 8
         g8 = (grad_ptr + row * V).to(tl.pointer_type(tl.int8))
         bitmap = (g8 + (4 - (row * V * ITEM) % 4) % 4).to(tl.pointer_type(tl.int32))
     else:
         bitmap = bitmap_ptr + row * tl.cdiv(V, 32)
+    # the bitmap before any load the walk does not need: its barriers wait for the loads in
+    # flight (a gather issued before them cost H100 ~0.1 ms a step); the loads below are then
+    # hidden by the walk
+    VEC: tl.constexpr = 128 // logits_ptr.dtype.element_ty.primitive_bitwidth
+    k0, k1, lo = vector_span(row * stride_row, 0, V, ALIGN, VEC)
+    idv = tl.where(valid, ids, -1)
+    _mark_ids(bitmap, idv, idv >= 0, lo + k0, k1 - k0, V, ZERO_BLOCK)
+    first, repeated, sum_p = _row_dups(dup_ptr, row, K, valid, p, kk)
+    ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
+    kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
     xk = load_raw(x_row, tl.where(valid, ids, 0), valid, "", True)  # raw: kept for IN_PLACE
     zk, _ = to_z(xk, valid, softcap, HAS_SOFTCAP, True)
     zk = tl.where(valid, zk, 0.0)  # as _gather
     m_t, s_t, s_xt, sumz, kept0, kept1 = _tail_stats(
-        logits_ptr, row * stride_row, V, bitmap, tl.where(valid, ids, -1), softcap, inv_temp,
+        logits_ptr, row * stride_row, V, bitmap, idv, softcap, inv_temp,
         BLOCK_V, ALIGN, HAS_SOFTCAP, DISTILL, SHARE_EXP, HAS_SMOOTHING,
-        "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP, ZERO_BLOCK)
+        "evict_last" if WRITE_GRAD else "", PREFETCH, KEEP)
     if BITMAP_IN_GRAD:
         tl.debug_barrier()  # every thread's bitmap reads before the dense pass overwrites it
     # the whole row from its tail and its distinct ids, relative to r: S = S_t + S_D, sums of
@@ -546,8 +555,6 @@ def tail_fwd_kernel(
         a1 = P + P_t
         a2 = -P_t
         C = tl.zeros([], tl.float32)
-    ce_a = tl.where(active, tl.load(row_scale_ptr + row * 2), 0.0)
-    kd_a = tl.where(active, tl.load(row_scale_ptr + row * 2 + 1), 0.0)
     loss = kd_a * div
     lse_x, lse_lo = lse_parts(m, s_x)
     lse_x = poison_inf(lse_x)
