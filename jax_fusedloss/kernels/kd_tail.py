@@ -500,9 +500,9 @@ def tail_fwd_kernel(
         bitmap = (g8 + (4 - (row * V * ITEM) % 4) % 4).to(tl.pointer_type(tl.int32))
     else:
         bitmap = bitmap_ptr + row * tl.cdiv(V, 32)
-    # the bitmap before any load the walk does not need: its barriers wait for the loads in
-    # flight (a gather issued before them cost H100 ~0.1 ms a step); the loads below are then
-    # hidden by the walk
+    # the bitmap before any load it does not need: its barriers wait for the loads in flight
+    # (H100, N=8192, V=128256: the first tiles' loads issued before it cost ~0.1 ms a step,
+    # the loads below 0.015-0.022 ms; issued after it the walk hides them)
     VEC: tl.constexpr = 128 // logits_ptr.dtype.element_ty.primitive_bitwidth
     k0, k1, lo = vector_span(row * stride_row, 0, V, ALIGN, VEC)
     idv = tl.where(valid, ids, -1)
