@@ -8,8 +8,10 @@ cotangents) against its matmul floor and naive baselines, and weighted vs unweig
 Shape: N=8192 tokens, D=4096, V=151936 (Qwen's vocabulary), bf16, weight `[D, V]`
 (`--layout vd` for a tied `[V, D]` table); or `--n/--d/--v`. Rows (framework, impl, pass):
 - "fwd": the log-probs alone (`logp`) and with the entropy (`logp+ent`): ours (implementation
-  None: Triton on a GPU), the XLA naive form (logits materialised, float32 log_softmax, gather,
-  entropy), torch naive (the same in PyTorch), against one bare matmul `h W` (the floor);
+  None: Triton on a GPU, through the fused statistics GEMM; `-matmul-walk`: with that GEMM off,
+  the logits chunk by chunk and the row kernel), the XLA naive form (logits materialised,
+  float32 log_softmax, gather, entropy), torch naive (the same in PyTorch), against one bare
+  matmul `h W` (the floor);
 - "fwd+bwd": the gradient (dH, dW) of `sum(a * logp + b * entropy)` with random per-token a,
   b (what a PPO/GRPO loss sends back): ours in each mode and its XLA twin, XLA naive, torch
   naive and torch_ref, against the three bare matmuls (`h W`, `G W^T`, `h^T G` with G given);
@@ -44,6 +46,8 @@ FIELDS = ["date", "device", "commit", "versions", "n", "d", "v", "dtype", "layou
           "framework", "impl", "median_ms", "p20_ms", "p80_ms", "ratio_to_floor", "temp_gib",
           "peak_gib", "note"]
 MODES = ("fast", "low_precision", "lean")
+# Rows compiled with the statistics-only forward's fused GEMM off (_lm_head.GEMM_EPILOGUE).
+MATMUL_WALK = "-matmul-walk"
 
 
 def _jax_inputs(n, d, v, dtype, layout):
@@ -96,6 +100,9 @@ def _jax_cases(n, d, v, dtype, layout):
     for ent in (False, True):
         tag = "logp+ent" if ent else "logp"
         cases["fwd", f"ours-{tag}"] = (jax.jit(lambda h, w, ent=ent: ours(h, w, ent)), (h, w))
+        # the same without the fused GEMM: the logits chunk by chunk, then the row kernel
+        cases["fwd", f"ours-{tag}{MATMUL_WALK}"] = (jax.jit(
+            lambda h, w, ent=ent: ours(h, w, ent)), (h, w))
         cases["fwd", f"xla-naive-{tag}"] = (jax.jit(lambda h, w, ent=ent: naive(h, w, ent)),
                                             (h, w))
     g = normal((n, v), 1e-3)
@@ -132,10 +139,18 @@ def _jax_cases(n, d, v, dtype, layout):
     return cases
 
 
-def _run_jax(n, d, v, dtype, layout, smoke, rows, note):
+def _run_jax(n, d, v, dtype, layout, smoke, rows, note, passes):
+    from jax_fusedloss import _lm_head
+
     for (pss, name), (fn, args) in _jax_cases(n, d, v, dtype, layout).items():
+        if passes and pss not in passes:
+            continue
         try:
-            compiled = fn.lower(*args).compile()
+            _lm_head.GEMM_EPILOGUE = not name.endswith(MATMUL_WALK)
+            try:
+                compiled = fn.lower(*args).compile()
+            finally:
+                _lm_head.GEMM_EPILOGUE = True
             temp = timing.jax_temp_bytes(compiled)
             stats = timing.time_jax(lambda: compiled(*args), 1,
                                     sum(a.nbytes for a in args), smoke)
@@ -147,7 +162,7 @@ def _run_jax(n, d, v, dtype, layout, smoke, rows, note):
             note(f"jax {pss} {name}: {type(e).__name__}: {str(e)[-400:]}")
 
 
-def _run_torch(n, d, v, dtype, smoke, rows, note):
+def _run_torch(n, d, v, dtype, smoke, rows, note, passes=()):
     import torch
 
     import torch_ref
@@ -176,6 +191,8 @@ def _run_torch(n, d, v, dtype, smoke, rows, note):
         cases.update({("fwd+bwd", f"torch_ref-{m}"): (fused(m), True) for m in ("fast", "lean")})
     input_bytes = h.numel() * h.element_size() + w.numel() * w.element_size()
     for (pss, name), (fn, grad) in cases.items():
+        if passes and pss not in passes:
+            continue
         try:
             def call(fn=fn, grad=grad):
                 if not grad:
@@ -213,12 +230,16 @@ def main(argv=None) -> Path:
     p.add_argument("--layout", default="dv", choices=["dv", "vd"])
     p.add_argument("--smoke", action="store_true", help="3 samples per case (CPU check)")
     p.add_argument("--no-torch", action="store_true", help="JAX rows only")
+    p.add_argument("--passes", default="",
+                   help="comma-separated passes to run (fwd, fwd+bwd, fwd+bwd-logp, ce, "
+                        "logits; torch rows: fwd, fwd+bwd); default all")
     args = p.parse_args(argv)
     rows, notes = [], []
     note = (lambda msg: (notes.append(msg), print("NOTE", msg, flush=True)))
-    _run_jax(args.n, args.d, args.v, args.dtype, args.layout, args.smoke, rows, note)
+    passes = set(filter(None, args.passes.split(",")))
+    _run_jax(args.n, args.d, args.v, args.dtype, args.layout, args.smoke, rows, note, passes)
     if not args.no_torch:
-        _run_torch(args.n, args.d, args.v, args.dtype, args.smoke, rows, note)
+        _run_torch(args.n, args.d, args.v, args.dtype, args.smoke, rows, note, passes)
     _ratios(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

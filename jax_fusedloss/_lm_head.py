@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss import _common, _op, _sharding, _triton_jax, _validate
+from jax_fusedloss._xla import reductions as _xla_red
 from jax_fusedloss.cross_entropy import scale_row_fns
 from jax_fusedloss.kernels import linear_ce as _plans
 
@@ -121,6 +122,18 @@ class HeadOp:
         vocabulary walk calls this; default `shift`). An op whose backward row function
         treats a label outside the block as an error (token log-probs) needs the width."""
         return self.shift(rows, offset)
+
+    def gemm_stats(self) -> tuple[float, bool] | None:
+        """(temperature, entropy) where the statistics-only forward may run the fused GEMM
+        (`kernels.head_gemm`: the logits' softmax partials in the GEMM's epilogue, no logits
+        written), whose merged partials `gemm_finish` turns into the forward's statistics;
+        None (the default): the matmul and row-function walk."""
+        return None
+
+    def gemm_finish(self, m, s, u, zy, labels, vocab: int) -> tuple:
+        """The forward's statistics from a row's merged softmax partials over all `vocab`
+        columns (max m, s, u as `_xla.reductions.merge_stats`) and its label's logit zy."""
+        raise NotImplementedError
 
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
@@ -336,6 +349,71 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     return _chunks(vocab, min(head.block, vocab), block, init)
 
 
+# The statistics-only forward through kernels/head_gemm (the softmax partials in the GEMM's
+# epilogue) where it applies (`_gemm_applies`); False: the matmul and row-function walk (the
+# benchmarks' A/B switch).
+GEMM_EPILOGUE = True
+
+
+def _gemm_applies(op: HeadOp, impl: str, h, w) -> bool:
+    if not GEMM_EPILOGUE or impl != "triton" or op.gemm_stats() is None:
+        return False
+    if not (_triton_jax.on_cuda_gpu() or _triton_jax.interpreter_enabled()):
+        return False
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    vocab = w.shape[_vocab_dim(op.head.layout)]
+    return _gemm.tma_ok(h.shape[1], vocab, op.head.layout, jnp.dtype(h.dtype).itemsize)
+
+
+def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
+    """The forward's statistics from kernels/head_gemm's fused GEMM over token chunks of at
+    most `head_gemm.chunk_rows` (its partials' budget), merged per row, then across the
+    vocabulary axes (a slice of a sharded head), then `op.gemm_finish`."""
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    temperature, entropy = op.gemm_stats()
+    gpu = _triton_jax.on_cuda_gpu()
+    cfg = _gemm.config(gpu)
+    (n, d), layout = h.shape, op.head.layout
+    vocab = w.shape[_vocab_dim(layout)]
+    tiles = _gemm.part_tiles(vocab, cfg)
+    programs = _triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS
+    local_y = y - _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else y
+    bias = jnp.zeros((1,), h.dtype) if b is None else b.astype(h.dtype)
+
+    def partials(hc, yc):
+        rows = hc.shape[0]
+        grid = _gemm.grid(rows, vocab, cfg, programs)
+        (part,) = _triton_jax.launch(
+            _gemm.head_stats_kernel, grid=(grid,), inputs=[hc, w, bias, yc],
+            scalars=[rows, vocab, d, float(1.0 / temperature)],
+            out_shapes=[jax.ShapeDtypeStruct((rows, tiles, _gemm.FIELDS), jnp.float32)],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            scratch=_gemm.SCRATCH_BYTES,
+            constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                            PROGRAMS=grid, DV=layout == "dv", HAS_BIAS=b is not None,
+                            ENTROPY=entropy, F32_DOT=not gpu, FLATTEN=gpu,
+                            WARP_SPECIALIZE=gpu))
+        m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
+        return m, s, u, jnp.sum(part[..., 3], axis=1)
+
+    partials = _sharding._map_batched(partials)  # vmapped inside shard_map: one at a time
+    vma = _vma(h, w, b, y) - frozenset(vocab_axes)
+
+    def body(start, size, carry):
+        got = partials(_slice(h, start, size), _slice(local_y, start, size))
+        return tuple(_put(buf, start, g) for buf, g in zip(carry, got))
+
+    init = tuple(_zeros((n,), jnp.float32, vma) for _ in range(4))
+    m, s, u, zy = _chunks(n, _gemm.chunk_rows(n, vocab, cfg), body, init)
+    if vocab_axes:
+        m, s, u, zy = _sharding.merge_across(vocab_axes, m, s, u if entropy else None,
+                                             sums=(zy,))
+        vocab = _sharding.global_vocab(vocab, vocab_axes)
+    return op.gemm_finish(m, s, u if entropy else None, zy, y, vocab)
+
+
 # ----------------------------------------------------------------------------- partitioning
 def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
     """What each device runs under the partitioner: the walk on its tokens (and weight slice),
@@ -351,6 +429,8 @@ def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
 
     def local(h, w, *rest):
         b, rest = (rest[0], rest[1:]) if has_bias else (None, rest)
+        if role == "fwd" and _gemm_applies(op, impl, h, w):
+            return _gemm_walk(op, h, w, b, *rest, vocab_axes=vocab)
         if spec.walk == "vocab":
             outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
                                vocab_axes=vocab, with_dh=spec.dh)

@@ -196,6 +196,8 @@ def _register_ffi_lowering() -> None:
             init = _capped_backend(init, int(tags["maxnreg"]))
         params = dict(params, custom_call_target_name=name)
         legacy = functools.partial(triton_lib.triton_kernel_call_lowering, init)
+        if "scratch" in tags:
+            return _scratch_call(ctx, args, params, legacy, name)
         if name != FFI_TARGET:
             return legacy(ctx, *args, **params)
         # jax-triton compiles the kernel and emits its (legacy-API) call; we keep its proto,
@@ -216,6 +218,40 @@ def _register_ffi_lowering() -> None:
         return new
 
     mlir.register_lowering(triton_lib.triton_kernel_call_p, rule, platform="cuda")
+
+
+# Triton kernels that build TMA descriptors on the device (tl.make_tensor_descriptor) write them
+# to a global scratch buffer, a hidden pointer parameter Triton appends after the explicit ones
+# (then one for profiling). jax-triton 0.3.1 passes no such buffer: jaxlib's launcher appends
+# null pointers in both places. A launch with `scratch` > 0 gets one more output (its last,
+# uint8 [programs * scratch]) and one more array parameter in the call's proto, after the
+# kernel's own: that buffer lands in the global-scratch slot. The tag "#scratch=1" tells the
+# lowering rule; jax-triton compiles the kernel without the extra output.
+SCRATCH_TAG = "#scratch=1"
+# An array parameter (TritonKernelCall.parameters = 5, Parameter.array = 1, Array.ptr_divisibility
+# = 2 set to 16) inside TritonAnyKernelCall.kernel_call (field 1): protobuf merges a repeated
+# embedded message into the first, so appending these bytes appends one parameter.
+_ARRAY_PARAM = b"\x0a\x06\x2a\x04\x0a\x02\x10\x10"
+
+
+def _scratch_call(ctx, args, params, legacy, name):
+    """The call of a kernel with a global-scratch buffer (see SCRATCH_TAG)."""
+    import zlib
+
+    from jax._src.lib.mlir import ir
+
+    outs = legacy(ctx.replace(avals_out=ctx.avals_out[:-1]), *args, **params)
+    op = outs[0].owner
+    op = getattr(op, "operation", op)
+    proto = zlib.decompress(ir.StringAttr(op.attributes["backend_config"]).value_bytes)
+    config = zlib.compress(proto + _ARRAY_PARAM)
+    op.erase()
+    aliases = dict(params["input_output_aliases"])
+    if name == FFI_TARGET:
+        return jax.ffi.ffi_lowering(FFI_TARGET, api_version=4,
+                                    operand_output_aliases=aliases)(ctx, *args, opaque=config)
+    return jax.ffi.ffi_lowering(LEGACY_TARGET, api_version=2, backend_config=config,
+                                operand_output_aliases=aliases)(ctx, *args)
 
 
 def _to_torch(a: np.ndarray):
@@ -284,7 +320,8 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
            scalars: Sequence[Any] = (), out_shapes: Sequence[jax.ShapeDtypeStruct],
            num_warps: int = 4, num_stages: int = 3, constexprs: dict[str, Any] | None = None,
            input_output_aliases: dict[int, int] | None = None,
-           maxnreg: int | None = None, partial_alias: bool = False) -> tuple[jax.Array, ...]:
+           maxnreg: int | None = None, partial_alias: bool = False,
+           scratch: int = 0) -> tuple[jax.Array, ...]:
     """Launches `kernel(*inputs, *scalars, *outputs, **constexprs)` over `grid`.
 
     Float scalars travel as float32 and ints as int32/int64 by value. `input_output_aliases`
@@ -294,7 +331,8 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
     `maxnreg` caps the registers a thread on the GPU (plan.Launch.maxnreg; the interpreter
     has none). `partial_alias` (plan.Launch.partial_alias): the kernel writes only part of an
     aliased output, so on the GPU it takes the legacy custom call, which XLA's dynamic-slice
-    fusion leaves whole.
+    fusion leaves whole. `scratch`: bytes of global scratch a program (Triton's
+    metadata.global_scratch_size or more: device-side TMA descriptors), see SCRATCH_TAG.
     """
     check_triton_available()
     constexprs = dict(constexprs or {})
@@ -305,11 +343,15 @@ def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],
         _register_ffi_lowering()
         if maxnreg is not None:
             target = f"{target}{MAXNREG_TAG}{int(maxnreg)}"
+        shapes = list(out_shapes)
+        if scratch:
+            target += SCRATCH_TAG
+            shapes.append(jax.ShapeDtypeStruct((int(np.prod(grid)) * int(scratch),), jnp.uint8))
         outs = _jax_triton().triton_call(
-            *inputs, *scalars, kernel=kernel, out_shape=list(out_shapes), grid=grid,
+            *inputs, *scalars, kernel=kernel, out_shape=shapes, grid=grid,
             num_warps=num_warps, num_stages=num_stages, input_output_aliases=aliases,
             custom_call_target_name=target, **constexprs)
-        return tuple(outs)
+        return tuple(outs)[:len(out_shapes)]
     return _interpret(kernel, grid, inputs, [float(s) if isinstance(s, np.floating) else s
                                              for s in scalars],
                       out_shapes, constexprs, aliases)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fusedloss import _common, _lm_head, _sharding
+from jax_fusedloss._xla import reductions as _xla_red
 from jax_fusedloss._lm_head import DEFAULT_MODE, MODES
 from jax_fusedloss.cross_entropy import CEOptions
 from jax_fusedloss.cross_entropy import _row_fns as _ce_row_fns
@@ -93,6 +94,12 @@ class _LinearLogprobs(_lm_head.HeadOp):
         ent = stats[1] if self.opts.entropy else lse  # read only with the entropy
         return (jnp.stack([lse, lse_lo], axis=1), ent,
                 jnp.stack([g_lse, g_ent, g_logp], axis=1), y)
+
+    def gemm_stats(self):
+        return self.opts.temperature, self.opts.entropy
+
+    def gemm_finish(self, m, s, u, zy, labels, vocab):
+        return tuple(o for o in _xla_red.finish(m, s, u, zy, labels, vocab) if o is not None)
 
     def shift_block(self, rows, offset, size):
         """A block that does not own a row's label: the label term leaves (its softmax part

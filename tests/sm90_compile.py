@@ -97,6 +97,22 @@ def vector_problems(results) -> list[str]:
     return problems
 
 
+def _check_head_gemm(compiled, num_warps: int) -> None:
+    """The fused head GEMM as JAX launches it: within the global scratch a program gets
+    (head_gemm.SCRATCH_BYTES), at the warps asked for (jax-triton launches those, not a
+    warp-specialised total), its operands through TMA and its products on wgmma."""
+    from jax_fusedloss.kernels import head_gemm
+
+    meta, ptx = compiled.metadata, compiled.asm["ptx"]
+    if not 0 < meta.global_scratch_size <= head_gemm.SCRATCH_BYTES:
+        raise AssertionError(f"global scratch {meta.global_scratch_size} B a program, "
+                             f"{head_gemm.SCRATCH_BYTES} passed")
+    if meta.num_warps != num_warps:
+        raise AssertionError(f"{meta.num_warps} warps compiled, {num_warps} launched")
+    if "cp.async.bulk.tensor" not in ptx or "wgmma.mma_async" not in ptx:
+        raise AssertionError("no TMA loads or no wgmma in the PTX")
+
+
 def main() -> int:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, os.path.dirname(here))
@@ -112,6 +128,8 @@ def main() -> int:
             vec = vector_ops(compiled.asm["ptx"])
             if maxnreg is not None and f".maxnreg {maxnreg}" not in compiled.asm["ptx"]:
                 raise AssertionError(f"the register cap {maxnreg} is not in the PTX")
+            if name == "head_stats_kernel":
+                _check_head_gemm(compiled, num_warps)
             results.append((name, signature, constexprs, num_warps, vec))
             print(f"ok   {name} {constexprs} shared={compiled.metadata.shared}B "
                   f"v4 ld/st={vec[0]}/{vec[1]} {time.time() - t0:.1f}s", flush=True)

@@ -170,11 +170,28 @@ def _kd_tail():
         yield from _specs(kd_tail.tail_bwd_plan(n, v, 64, num_sms=SMS, **kw), dt, types)
 
 
+def _head_gemm():
+    """The LM head's fused statistics GEMM (kernels/head_gemm.py) with the GPU's tiles: both
+    weight layouts, bf16 and fp16, with and without the bias and the entropy."""
+    from jax_fusedloss.kernels import head_gemm
+
+    cfg = head_gemm.config(True)
+    names = [p.name for p in head_gemm.head_stats_kernel.params if not p.is_constexpr]
+    for dt, dv, extra in itertools.product(("bf16", "fp16"), (True, False), (True, False)):
+        if dt == "fp16" and not extra:
+            continue
+        types = [f"*{dt}", f"*{dt}", f"*{dt}", "*i32", "i32", "i32", "i32", "fp32", "*fp32"]
+        yield (head_gemm.head_stats_kernel, dict(zip(names, types)),
+               dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                    PROGRAMS=SMS, DV=dv, HAS_BIAS=extra, ENTROPY=extra, F32_DOT=False,
+                    FLATTEN=True, WARP_SPECIALIZE=True), cfg["num_warps"], None)
+
+
 def specs():
     """Distinct compiles, in a stable order."""
     seen = set()
     for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd(),
-                                                                       _kd_tail()):
+                                                                       _kd_tail(), _head_gemm()):
         key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
                maxnreg)
         if key not in seen:

@@ -1,0 +1,236 @@
+"""The statistics-only forward of the hidden-state ops through the fused GEMM
+(jax_fusedloss/kernels/head_gemm.py: the logits' softmax partials in the GEMM's epilogue, no
+logits written): against the matmul + row-kernel walk it replaces (`_lm_head.GEMM_EPILOGUE`
+off, the same Triton implementation), the XLA twin and float64; where it applies and where it
+does not; chunked, vmapped, under a gradient, on 4 CPU devices with the vocabulary sharded.
+CPU: Triton's interpreter; GPU: the compiled kernel at the real size."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fusedloss
+from jax_fusedloss import _lm_head
+from tests.helpers import assert_close
+
+
+@pytest.fixture
+def gemm_calls(monkeypatch):
+    """Counts the traces that took the fused GEMM."""
+    calls = []
+    real = _lm_head._gemm_walk
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_lm_head, "_gemm_walk", spy)
+    return calls
+
+
+def inputs(seed, n, d, vocab, dtype, layout, bias, bad=True):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (n, d)).astype(dtype)
+    w = (jax.random.normal(k[1], (d, vocab) if layout == "dv" else (vocab, d)) * 0.4
+         ).astype(dtype)
+    b = (jax.random.normal(k[2], (vocab,)) * 2).astype(dtype) if bias else None
+    y = jax.random.randint(k[3], (n,), 0, vocab)
+    if bad and n >= 3:
+        y = y.at[1].set(-2).at[2].set(vocab + 3)
+    return h, w, b, y
+
+
+def logprobs(h, w, b, y, layout, temperature, entropy, impl="triton", gemm=True):
+    _lm_head.GEMM_EPILOGUE = gemm
+    try:
+        out = jax.jit(lambda h, w, b: jax_fusedloss.linear_token_logprobs(
+            h, w, y, bias=b, weight_layout=layout, temperature=temperature,
+            return_entropy=entropy, implementation=impl))(h, w, b)
+    finally:
+        _lm_head.GEMM_EPILOGUE = True
+    return out if entropy else (out,)
+
+
+def float64_ref(h, w, b, y, layout, temperature):
+    """(logp, entropy) in float64 from the logits `h W + b` rounded once to the inputs' dtype
+    (as the fused GEMM, and XLA's GEMM with its bias epilogue on a GPU, round them)."""
+    dt = h.dtype
+    hf, wf = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = hf @ (wf if layout == "dv" else wf.T)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    z = np.asarray(jnp.asarray(z, jnp.float32).astype(dt), np.float64) / temperature
+    lse = np.log(np.sum(np.exp(z - z.max(1, keepdims=True)), 1)) + z.max(1)
+    lp = z - lse[:, None]
+    yy = np.asarray(y)
+    ok = (yy >= 0) & (yy < z.shape[1])
+    logp = np.where(ok, lp[np.arange(len(yy)), np.clip(yy, 0, z.shape[1] - 1)], np.nan)
+    return logp, -np.sum(np.exp(lp) * lp, 1)
+
+
+CASES = [  # (n, d, vocab, dtype, layout, bias, temperature, entropy)
+    (37, 48, 200, "bfloat16", "dv", True, 1.0, True),
+    (37, 40, 203, "bfloat16", "vd", False, 0.7, True),  # V odd: fine for a [V, D] weight
+    (5, 16, 64, "float16", "vd", True, 1.3, False),
+    (21, 24, 96, "float16", "dv", False, 1.0, True),
+    (1, 8, 40, "bfloat16", "dv", True, 2.0, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_matches_matmul_walk_and_float64(interpreter, gemm_calls, case):
+    n, d, vocab, dtype, layout, bias, temp, ent = case
+    h, w, b, y = inputs(n + vocab, n, d, vocab, dtype, layout, bias)
+    got = logprobs(h, w, b, y, layout, temp, ent)
+    assert gemm_calls, "the fused GEMM was not taken"
+    walk = logprobs(h, w, b, y, layout, temp, ent, gemm=False)
+    twin = logprobs(h, w, b, y, layout, temp, ent, impl="xla")
+    ref = float64_ref(h, w, b, y, layout, temp)
+    # With a bias XLA on a CPU rounds the logits twice (h W, then + b): the two walks' logits
+    # then differ from ours by up to one rounding, as much as z's ulp (4 bits of bfloat16).
+    tol = dict(rtol=1e-5, atol=2e-5) if not bias else dict(rtol=0.0, atol=8 * float(
+        jnp.finfo(jnp.dtype(dtype)).eps) * (1 + float(np.abs(ref[0][np.isfinite(ref[0])]).max())))
+    for i, name in enumerate(("logp", "entropy")[:len(got)]):
+        assert_close(got[i], walk[i], equal_nan=True, what=f"{name} vs the matmul walk", **tol)
+        assert_close(got[i], twin[i], equal_nan=True, what=f"{name} vs the XLA twin", **tol)
+        assert_close(got[i], ref[i], rtol=1e-5, atol=5e-5, equal_nan=True,
+                     what=f"{name} vs float64")
+    if n >= 3:  # out-of-range labels: NaN log-probs, their entropies untouched
+        assert np.isnan(np.asarray(got[0])[1:3]).all()
+        assert not np.isnan(np.asarray(got[0])[[0] + list(range(3, n))]).any()
+        if ent:
+            assert np.isfinite(np.asarray(got[1])).all()
+
+
+@pytest.mark.parametrize("d, vocab, layout, dtype", [
+    (20, 64, "dv", "bfloat16"),  # D * 2 bytes not a multiple of 16
+    (16, 61, "dv", "bfloat16"),  # a [D, V] row of 122 bytes
+    (16, 64, "dv", "float32"),  # float32: XLA's matmul precision, not the GEMM's
+])
+def test_shapes_tma_cannot_address_take_the_matmul_walk(interpreter, gemm_calls, d, vocab,
+                                                         layout, dtype):
+    h, w, b, y = inputs(3, 9, d, vocab, dtype, layout, True)
+    got = logprobs(h, w, b, y, layout, 1.0, True)
+    assert not gemm_calls
+    twin = logprobs(h, w, b, y, layout, 1.0, True, impl="xla")
+    for a, t in zip(got, twin):
+        assert_close(a, t, rtol=1e-5, atol=2e-5, equal_nan=True, what="fallback")
+
+
+def test_token_chunks(interpreter, gemm_calls, monkeypatch):
+    """A partials budget of 2 row tiles: N=45 in chunks of 32 rows (a ragged one first)."""
+    from jax_fusedloss.kernels import head_gemm
+
+    cfg = head_gemm.config(False)
+    monkeypatch.setattr(head_gemm, "PART_BUDGET_BYTES",
+                        2 * cfg["BM"] * head_gemm.part_tiles(72, cfg) * head_gemm.FIELDS * 4)
+    assert head_gemm.chunk_rows(45, 72, cfg) == 2 * cfg["BM"]
+    h, w, b, y = inputs(4, 45, 16, 72, "bfloat16", "vd", True)
+    got = logprobs(h, w, b, y, "vd", 1.0, True)
+    assert gemm_calls
+    ref = float64_ref(h, w, b, y, "vd", 1.0)
+    for a, r in zip(got, ref):
+        assert_close(a, r, rtol=1e-5, atol=5e-5, equal_nan=True, what="chunked")
+
+
+def test_vmap_and_gradient(interpreter, gemm_calls):
+    """vmap over token sets equals the per-element calls; under value_and_grad with
+    per-token cotangents (the forward keeps statistics) the gradients match the matmul walk."""
+    h, w, b, y = inputs(5, 24, 16, 48, "bfloat16", "dv", False, bad=False)
+    hb, yb = h.reshape(3, 8, 16), y.reshape(3, 8)
+
+    def f(h, y):
+        return jax_fusedloss.linear_token_logprobs(h, w, y, return_entropy=True,
+                                                   implementation="triton")
+
+    got = jax.jit(jax.vmap(f))(hb, yb)
+    assert gemm_calls
+    for i in range(3):
+        one = jax.jit(f)(hb[i], yb[i])
+        for a, o in zip(got, one):
+            assert_close(a[i], o, rtol=1e-6, atol=1e-6, what=f"vmap [{i}]")
+    c = jax.random.normal(jax.random.key(9), (2, 24))
+
+    def loss(h, w):
+        logp, ent = jax_fusedloss.linear_token_logprobs(h, w, y, return_entropy=True,
+                                                        implementation="triton", mode="fast")
+        return jnp.sum(logp * c[0]) + jnp.sum(ent * c[1])
+
+    grads = {}
+    for gemm in (True, False):
+        _lm_head.GEMM_EPILOGUE = gemm
+        try:
+            grads[gemm] = jax.jit(jax.value_and_grad(loss, (0, 1)))(h, w)
+        finally:
+            _lm_head.GEMM_EPILOGUE = True
+    assert_close(grads[True][0], grads[False][0], rtol=1e-5, atol=1e-5, what="value")
+    for a, t, name in zip(grads[True][1], grads[False][1], ("dh", "dw")):
+        assert_close(a, t, rtol=1e-2, atol=1e-2, what=name)
+
+
+def test_vocabulary_sharded_shard_map(interpreter):
+    """shard_map over 4 CPU devices, the weight's vocabulary split (vocab_axis) and the
+    tokens too: each device's fused GEMM over its slice, merged across the axis, against one
+    device (a child process: the device count is fixed at jax's import)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import PartitionSpec as P
+import jax_fusedloss
+from jax_fusedloss import _lm_head
+from tests.test_head_gemm import inputs
+calls = []
+real = _lm_head._gemm_walk
+_lm_head._gemm_walk = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+mesh = jax.make_mesh((2, 2), ("t", "v"))
+h, w, b, y = inputs(7, 12, 16, 96, "bfloat16", "vd", True)
+put = lambda a, spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, spec))
+hs, ws, bs, ys = put(h, P("t")), put(w, P("v")), put(b, P("v")), put(y, P("t"))
+def local(h, w, b, y):
+    return jax_fusedloss.linear_token_logprobs(h, w, y, bias=b, weight_layout="vd",
+        return_entropy=True, implementation="triton", vocab_axis="v")
+f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("t"), P("v"), P("v"), P("t")),
+                          out_specs=(P("t"), P("t"))))
+got = f(hs, ws, bs, ys)
+one = jax.jit(lambda h, w, b: jax_fusedloss.linear_token_logprobs(h, w, y, bias=b,
+    weight_layout="vd", return_entropy=True, implementation="triton"))(h, w, b)
+assert calls, "no fused GEMM"
+for a, o in zip(got, one):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(o), rtol=1e-5, atol=2e-5)
+print("OK")
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               TRITON_INTERPRET="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["dv", "vd"])
+def test_gpu_real_size(gemm_calls, layout):
+    """N=8192, D=4096, V=151936 bf16, forward only (rollout scoring) through the compiled
+    kernel: against the matmul walk on all rows (its logits, bias included, rounded once by
+    cuBLAS's bias epilogue, as ours) and float64 on a slice."""
+    n, d, vocab = 8192, 4096, 151936
+    h, w, b, y = inputs(0, n, d, vocab, "bfloat16", layout, layout == "vd")
+    w = (w.astype(jnp.float32) * 0.05).astype(jnp.bfloat16)
+    got = logprobs(h, w, b, y, layout, 0.9, True)
+    assert gemm_calls
+    walk = logprobs(h, w, b, y, layout, 0.9, True, gemm=False)
+    for a, t, name in zip(got, walk, ("logp", "entropy")):
+        assert_close(a, t, rtol=1e-4, atol=1e-4, equal_nan=True, what=f"{name} vs the walk")
+    # float64 logits rounded once can round a near-tie the other way than float32
+    # accumulation did: a label logit one bfloat16 ulp apart (1/16 at |z| ~ 16)
+    rows = 64
+    ref = float64_ref(h[:rows], w, b, y[:rows], layout, 0.9)
+    for a, r, name in zip(got, ref, ("logp", "entropy")):
+        assert_close(a[:rows], r, rtol=1e-3, atol=8e-2, equal_nan=True,
+                     what=f"{name} vs float64")
