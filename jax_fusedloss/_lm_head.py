@@ -135,6 +135,14 @@ class HeadOp:
         columns (max m, s, u as `_xla.reductions.merge_stats`) and its label's logit zy."""
         raise NotImplementedError
 
+    def gemm_grad(self, rows: tuple) -> tuple | None:
+        """For the vocabulary walk's blocks through `kernels.head_gemm.head_grad_kernel` (the
+        block's logits and their gradient in one GEMM, the weight read in place): from a
+        block's backward rows (`shift_block`'s) the kernel's per-row (coef [N, GRAD_FIELDS],
+        labels relative to the block, 1/T, whether any B is nonzero); None (the default):
+        the matmul and the backward row function."""
+        return None
+
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
 
@@ -303,12 +311,14 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
     return outs[:-2] + (None if dw is None else dw.astype(w.dtype), outs[-1])
 
 
-def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = True):
+def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = True,
+                fused: bool = False):
     """The lean backward: (dH, dW, db) from the backward row function `bwd(z, *rows)` over
     blocks of `op.head.block` vocabulary columns (see the module doc); dH is None without
     `with_dh` (the forward computed it). dH accumulates in float32; each block of dW is one
     full-K matmul over the tokens (row chunks of `block_rows` tokens sum into a float32
-    `[D, B]` block) written once in W's dtype."""
+    `[D, B]` block) written once in W's dtype. `fused`: each block's logits and gradient from
+    `_gemm_grad` (the weight read in place) instead of the matmul and `bwd`."""
     n, f32, head = h.shape[0], jnp.float32, op.head
     vdim = _vocab_dim(head.layout)
     vocab = w.shape[vdim]
@@ -327,7 +337,11 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
         def part(r0, rs, acc):
             dh, dwb, dbb = acc
             hc = _slice(h, r0, rs)
-            g = bwd(_logits(hc, wb, bb, head.layout), *(_slice(r, r0, rs) for r in shifted))
+            block_rows = tuple(_slice(r, r0, rs) for r in shifted)
+            if fused:
+                g = _gemm_grad(op, hc, w, b, start, size, *block_rows)
+            else:
+                g = bwd(_logits(hc, wb, bb, head.layout), *block_rows)
             if dh is not None:
                 dh = _put(dh, r0, _slice(dh, r0, rs) + _dh(g, wb, head.layout))
             if dbb is not None:
@@ -355,8 +369,11 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
 GEMM_EPILOGUE = True
 
 
-def _gemm_applies(op: HeadOp, impl: str, h, w) -> bool:
-    if not GEMM_EPILOGUE or impl != "triton" or op.gemm_stats() is None:
+def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
+    """Whether the fused GEMMs of kernels/head_gemm can run this op's statistics (`stats`)
+    or, with `stats=False`, its vocabulary walk's gradient blocks (op.gemm_grad decides
+    then): Triton compiled or interpreted, 16-bit inputs whose rows TMA can address."""
+    if not GEMM_EPILOGUE or impl != "triton" or (stats and op.gemm_stats() is None):
         return False
     if not (_triton_jax.on_cuda_gpu() or _triton_jax.interpreter_enabled()):
         return False
@@ -364,6 +381,38 @@ def _gemm_applies(op: HeadOp, impl: str, h, w) -> bool:
 
     vocab = w.shape[_vocab_dim(op.head.layout)]
     return _gemm.tma_ok(h.shape[1], vocab, op.head.layout, jnp.dtype(h.dtype).itemsize)
+
+
+def _gemm_grad_applies(op: HeadOp, impl: str, h, w, rows) -> bool:
+    return _gemm_applies(op, impl, h, w, stats=False) and op.gemm_grad(rows) is not None
+
+
+def _gemm_grad(op: HeadOp, hc, w, b, start, size: int, *rows):
+    """The gradient of the logits of vocabulary columns [start, start + size) for the tokens
+    `hc` from the block's backward rows, through head_gemm.head_grad_kernel."""
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    coef, labels, inv_temp, log_term = op.gemm_grad(rows)
+    gpu = _triton_jax.on_cuda_gpu()
+    cfg = _gemm.config(gpu)
+    (n, d), layout = hc.shape, op.head.layout
+    vocab = w.shape[_vocab_dim(layout)]
+    grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS,
+                      -(-n // cfg["BM"]) * -(-size // cfg["BN"])))
+    bias = jnp.zeros((1,), hc.dtype) if b is None else b.astype(hc.dtype)
+    col0 = jnp.asarray(start, jnp.int32).reshape(1)
+    (g,) = _triton_jax.launch(
+        _gemm.head_grad_kernel, grid=(grid,),
+        inputs=[hc, w, bias, labels.astype(jnp.int32), coef.astype(jnp.float32), col0],
+        scalars=[n, size, d, vocab, float(inv_temp)],
+        out_shapes=[jax.ShapeDtypeStruct((n, size), hc.dtype)],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], scratch=_gemm.SCRATCH_BYTES,
+        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                        PROGRAMS=grid, DV=layout == "dv", HAS_BIAS=b is not None,
+                        LOG_TERM=bool(log_term),
+                        TMA_STORE=_gemm.grad_tma_store(size, jnp.dtype(hc.dtype).itemsize),
+                        F32_DOT=not gpu, FLATTEN=gpu, WARP_SPECIALIZE=gpu))
+    return g
 
 
 def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
@@ -433,7 +482,8 @@ def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
             return _gemm_walk(op, h, w, b, *rest, vocab_axes=vocab)
         if spec.walk == "vocab":
             outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
-                               vocab_axes=vocab, with_dh=spec.dh)
+                               vocab_axes=vocab, with_dh=spec.dh,
+                               fused=_gemm_grad_applies(op, impl, h, w, rest))
         else:
             outs = _token_walk(role, op, ce, h, w, b, *rest, vocab_axes=vocab)
         *stats, dh, dw, db = outs

@@ -69,6 +69,16 @@ class _LinearCE(_lm_head.HeadOp):
         y, lse, coef = rows
         return y - offset, lse, coef
 
+    def gemm_grad(self, rows):
+        if self.opts.softcap is not None:
+            return None  # (the fused gradient GEMM has no tanh)
+        y, lse, coef = rows
+        w = coef[:, 4]
+        lse_lo = jnp.where(w != 0.0, coef[:, 3] / jnp.where(w != 0.0, w, 1.0), 0.0)
+        zero = jnp.zeros_like(lse)
+        return (jnp.stack([lse, lse_lo, coef[:, 0], zero, -coef[:, 1], -coef[:, 2]], axis=1),
+                y, 1.0, False)
+
 
 def _check_inputs(hidden, weight, labels, bias, weight_layout):
     vocab = _lm_head.check_head(hidden, weight, bias, weight_layout)

@@ -101,6 +101,17 @@ class _LinearLogprobs(_lm_head.HeadOp):
     def gemm_finish(self, m, s, u, zy, labels, vocab):
         return tuple(o for o in _xla_red.finish(m, s, u, zy, labels, vocab) if o is not None)
 
+    def gemm_grad(self, rows):
+        lse, ent, cot, y = rows
+        t = 1.0 / self.opts.temperature
+        g_lse, g_ent, g_logp = cot[:, 0], cot[:, 1], cot[:, 2]
+        if self.opts.entropy:
+            a, b = t * (g_lse - g_logp - g_ent * ent), -t * g_ent
+        else:
+            a, b = t * (g_lse - g_logp), jnp.zeros_like(g_lse)
+        coef = jnp.stack([lse[:, 0], lse[:, 1], a, b, t * g_logp, jnp.zeros_like(a)], axis=1)
+        return coef, y, t, self.opts.entropy
+
     def shift_block(self, rows, offset, size):
         """A block that does not own a row's label: the label term leaves (its softmax part
         joins g_lse), as the vocabulary-parallel backward of token_logprobs does."""

@@ -128,7 +128,7 @@ def main() -> int:
             vec = vector_ops(compiled.asm["ptx"])
             if maxnreg is not None and f".maxnreg {maxnreg}" not in compiled.asm["ptx"]:
                 raise AssertionError(f"the register cap {maxnreg} is not in the PTX")
-            if name == "head_stats_kernel":
+            if name in ("head_stats_kernel", "head_grad_kernel"):
                 _check_head_gemm(compiled, num_warps)
             results.append((name, signature, constexprs, num_warps, vec))
             print(f"ok   {name} {constexprs} shared={compiled.metadata.shared}B "

@@ -172,14 +172,13 @@ def _kd_tail():
 
 def _head_gemm():
     """The LM head's fused statistics GEMM (kernels/head_gemm.py) with the GPU's tiles: both
-    weight layouts, bf16 and fp16, with and without the bias and the entropy."""
+    weight layouts with the bias and the entropy, without them, and fp16 once."""
     from jax_fusedloss.kernels import head_gemm
 
     cfg = head_gemm.config(True)
     names = [p.name for p in head_gemm.head_stats_kernel.params if not p.is_constexpr]
-    for dt, dv, extra in itertools.product(("bf16", "fp16"), (True, False), (True, False)):
-        if dt == "fp16" and not extra:
-            continue
+    for dt, dv, extra in (("bf16", True, True), ("bf16", False, True), ("bf16", True, False),
+                          ("fp16", False, True)):
         types = [f"*{dt}", f"*{dt}", f"*{dt}", "*i32", "i32", "i32", "i32", "fp32", "*fp32"]
         yield (head_gemm.head_stats_kernel, dict(zip(names, types)),
                dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
@@ -187,11 +186,32 @@ def _head_gemm():
                     FLATTEN=True, WARP_SPECIALIZE=True), cfg["num_warps"], None)
 
 
+def _head_grad():
+    """The lean backward's fused gradient GEMM (kernels/head_gemm.py): each layout with and
+    without the log term (token log-probs' with entropy, cross-entropy's) and with TMA and
+    plain stores, fp16 once."""
+    from jax_fusedloss.kernels import head_gemm
+
+    cfg = head_gemm.config(True)
+    names = [p.name for p in head_gemm.head_grad_kernel.params if not p.is_constexpr]
+    for dt, dv, log_term, tma in (("bf16", True, True, True), ("bf16", False, True, False),
+                                  ("bf16", True, False, False), ("bf16", False, False, True),
+                                  ("fp16", True, True, True)):
+        types = [f"*{dt}", f"*{dt}", f"*{dt}", "*i32", "*fp32", "*i32", "i32", "i32", "i32",
+                 "i32", "fp32", f"*{dt}"]
+        yield (head_gemm.head_grad_kernel, dict(zip(names, types)),
+               dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                    PROGRAMS=SMS, DV=dv, HAS_BIAS=not log_term, LOG_TERM=log_term,
+                    TMA_STORE=tma, F32_DOT=False, FLATTEN=True, WARP_SPECIALIZE=True),
+               cfg["num_warps"], None)
+
+
 def specs():
     """Distinct compiles, in a stable order."""
     seen = set()
     for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd(),
-                                                                       _kd_tail(), _head_gemm()):
+                                                                       _kd_tail(), _head_gemm(),
+                                                                       _head_grad()):
         key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
                maxnreg)
         if key not in seen:

@@ -234,3 +234,133 @@ def test_gpu_real_size(gemm_calls, layout):
     for a, r, name in zip(got, ref, ("logp", "entropy")):
         assert_close(a[:rows], r, rtol=1e-3, atol=8e-2, equal_nan=True,
                      what=f"{name} vs float64")
+
+
+def _grads64(h, w, b, y, layout, g_of_z):
+    """(dh, dw[, db]) in float64 of an objective whose gradient w.r.t. the logits (rounded
+    once to the inputs' dtype, then divided by nothing: g_of_z takes them as they are) is
+    g_of_z(z)."""
+    dt = h.dtype
+    hf, wf = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = hf @ (wf if layout == "dv" else wf.T)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    z = np.asarray(jnp.asarray(z, jnp.float32).astype(dt), np.float64)
+    g = g_of_z(z)
+    dh = g @ (wf.T if layout == "dv" else wf)
+    dw = hf.T @ g if layout == "dv" else g.T @ hf
+    return (dh, dw) + (() if b is None else (g.sum(0),))
+
+
+def _softmax64(z):
+    lse = np.log(np.sum(np.exp(z - z.max(1, keepdims=True)), 1)) + z.max(1)
+    return np.exp(z - lse[:, None]), lse
+
+
+@pytest.mark.parametrize("layout, bias", [("vd", True), ("dv", False)])
+def test_lean_gradient_blocks(interpreter, monkeypatch, layout, bias):
+    """The lean backward's vocabulary blocks through head_grad_kernel (blocks of 128 columns,
+    row chunks of 7 tokens, the weight read in place at each block's column): token log-probs
+    with the entropy at T=0.8 (dH and dW in the backward) and cross-entropy with smoothing and
+    z-loss under per-token cotangents (dH in the forward, dW in the backward), against float64
+    and against the matmul + row-kernel walk."""
+    calls = []
+    real = _lm_head._gemm_grad
+    monkeypatch.setattr(_lm_head, "_gemm_grad",
+                        lambda *a, **k: (calls.append(a[5]), real(*a, **k))[1])
+    vocab = 203 if layout == "vd" else 200
+    h, w, b, y = inputs(1, 37, 16, vocab, "bfloat16", layout, bias)
+    c = jax.random.normal(jax.random.key(3), (3, 37))
+    valid = np.asarray((y >= 0) & (y < vocab))
+    yc = jnp.clip(y, 0, vocab - 1)
+    temp, eps, zl = 0.8, 0.1, 1e-3
+    args = (h, w, b) if bias else (h, w)
+
+    def rl(h, w, b=None):
+        lp, ent = jax_fusedloss.linear_token_logprobs(
+            h, w, y, bias=b, weight_layout=layout, temperature=temp, return_entropy=True,
+            mode="lean", chunk_size=5, implementation="triton")
+        return jnp.sum(jnp.where(jnp.isnan(lp), 0.0, lp) * c[0]) + jnp.sum(ent * c[1])
+
+    def ce(h, w, b=None):
+        loss = jax_fusedloss.linear_cross_entropy(
+            h, w, yc, bias=b, weight_layout=layout, label_smoothing=eps, z_loss=zl,
+            reduction="none", mode="lean", chunk_size=5, implementation="triton")
+        return jnp.sum(loss * c[2])
+
+    def g_rl(z):
+        p, lse = _softmax64(z / temp)
+        lp = np.log(p)
+        ent = -np.sum(p * lp, 1)
+        g_logp = np.where(valid, np.asarray(c[0], np.float64), 0.0)
+        g_h = np.asarray(c[1], np.float64)
+        g = p * (-g_logp - g_h * ent)[:, None] - g_h[:, None] * p * lp
+        g[np.arange(37), np.asarray(yc)] += g_logp
+        return g / temp
+
+    def g_ce(z):
+        p, lse = _softmax64(z)
+        ct = np.asarray(c[2], np.float64)
+        g = ct[:, None] * ((1 + 2 * zl * lse)[:, None] * p - eps / z.shape[1])
+        g[np.arange(37), np.asarray(yc)] -= ct * (1 - eps)
+        return g
+
+    for name, f, g_of_z in (("log-probs", rl, g_rl), ("cross-entropy", ce, g_ce)):
+        calls.clear()
+        got = jax.jit(jax.grad(f, tuple(range(len(args)))))(*args)
+        assert len(calls) == 4, calls  # a ragged block of 75 columns, then one loop body
+        _lm_head.GEMM_EPILOGUE = False
+        try:
+            walk = jax.jit(jax.grad(f, tuple(range(len(args)))))(*args)
+        finally:
+            _lm_head.GEMM_EPILOGUE = True
+        ref = _grads64(h, w, b, y, layout, g_of_z)
+        for a, m, r, what in zip(got, walk, ref, ("dh", "dw", "db")):
+            scale = float(np.abs(r).max())
+            # (seen: 0.4-0.8% of the largest entry, dh rounded to bfloat16)
+            assert_close(a, r, atol=1.5e-2 * scale, what=f"{name} {what} vs float64")
+            # (the CPU walk rounds h W before adding the bias: a second rounding of z)
+            assert_close(a, m, atol=(4e-2 if bias else 1.5e-2) * scale,
+                         what=f"{name} {what} vs the walk")
+
+
+class _Coefs:
+    """The two hooks _gemm_grad reads of a HeadOp, with coefficients given outright."""
+
+    def __init__(self, layout, coef, labels, inv_temp, log_term):
+        self.head = _lm_head.HeadOptions(layout, "lean", 1, 1, 1, 1)
+        self.out = (coef, labels, inv_temp, log_term)
+
+    def gemm_grad(self, rows):
+        return self.out
+
+
+@pytest.mark.parametrize("layout, start, size", [("vd", 40, 72), ("dv", 8, 61), ("dv", 0, 96)])
+def test_gradient_kernel_elementwise(interpreter, layout, start, size):
+    """head_grad_kernel's block against the float64 formula entry by entry: random per-row
+    (A, B, L, C) with lse, lse_lo of the true rows, labels inside and outside the block, a
+    first column that is not a tile multiple, blocks whose rows are (TMA store) and are not
+    (plain stores) 16-byte multiples."""
+    from jax_fusedloss._lm_head import _gemm_grad
+
+    n, d, vocab, temp = 19, 24, 160, 0.7
+    h, w, b, y = inputs(5, n, d, vocab, "bfloat16", layout, True, bad=False)
+    hf, wf = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = hf @ (wf if layout == "dv" else wf.T) + np.asarray(b, np.float64)
+    z = np.asarray(jnp.asarray(z, jnp.float32).astype(jnp.bfloat16), np.float64) / temp
+    lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+    k = np.random.default_rng(0).standard_normal((4, n))
+    lse_lo = 1e-7 * k[0]
+    local = np.asarray(y) - start  # some rows' labels lie outside the block
+    coef = np.stack([lse - lse_lo, lse_lo, k[0], k[1], k[2], 0.01 * k[3]], axis=1)
+    op = _Coefs(layout, jnp.asarray(coef, jnp.float32), jnp.asarray(local, jnp.int32),
+                1.0 / temp, True)
+    g = jax.jit(lambda h, w, b: _gemm_grad(op, h, w, b, jnp.int32(start), size))(h, w, b)
+    t = z[:, start:start + size] - lse[:, None]
+    p = np.exp(t)
+    want = p * (k[0][:, None] + k[1][:, None] * t) + 0.01 * k[3][:, None]
+    cols = np.arange(size)
+    want += np.where(cols[None, :] == local[:, None], k[2][:, None], 0.0)
+    assert ((local >= 0) & (local < size)).any() and ((local < 0) | (local >= size)).any()
+    # bfloat16 output (the interpreter truncates: 2**-7 relative)
+    assert_close(g, want, rtol=1e-2, atol=1e-6, what="block gradient")

@@ -153,3 +153,94 @@ def head_stats_kernel(
         tl.store(out + 1, s, mask=live)
         tl.store(out + 2, u, mask=live)
         tl.store(out + 3, zy, mask=live)
+
+
+# ----------------------------------------------------------------------------- the gradient
+# Per-row coefficients of head_grad_kernel, float32 [N, GRAD_FIELDS] = (lse, lse_lo, A, B, L,
+# C): with t = (z - lse) - lse_lo (z tempered), p = exp(t), the gradient of the logit is
+#     g = p * (A + B * t) + L * [column == label] + C,
+# which holds cross-entropy's (A = a, B = 0, L = -b, C = -c: kernels/cross_entropy.py) and
+# the token log-probs' with the entropy (kernels/reductions.py, times 1/T).
+GRAD_FIELDS = 6
+
+
+def grad_tma_store(cols: int, itemsize: int) -> bool:
+    """Whether a block of `cols` gradient columns can be stored through TMA (16-byte rows)."""
+    return cols * itemsize % 16 == 0
+
+
+@triton.jit
+def head_grad_kernel(
+    # hidden [M, K]; weight [K, V] (DV) or [V, K]; bias [V] (HAS_BIAS); labels [M] int32
+    # relative to the block (any value: only compared); coef [M, GRAD_FIELDS]; col0 [1] int32,
+    # the block's first column
+    h_ptr, w_ptr, b_ptr, y_ptr, coef_ptr, col0_ptr,
+    M, NB, K, V, inv_temp,
+    g_ptr,  # out: [M, NB] in h's dtype, the gradient of the block's logits
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, DV: tl.constexpr, HAS_BIAS: tl.constexpr, LOG_TERM: tl.constexpr,
+    TMA_STORE: tl.constexpr, F32_DOT: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Grid (PROGRAMS,): the gradient of the logits of weight columns [col0, col0 + NB) (a
+    block of the lean backward's vocabulary walk), the weight read in place, the logits
+    recomputed in registers (rounded as head_stats_kernel's) and never written.
+    LOG_TERM: B is not all 0. TMA_STORE: g's rows are 16-byte multiples (else plain stores)."""
+    dt = h_ptr.dtype.element_ty
+    col0 = tl.load(col0_ptr)
+    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BM, BK])
+    if DV:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, V], strides=[V, 1],
+                                           block_shape=[BK, BN])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[K, 1],
+                                           block_shape=[BN, BK])
+    if TMA_STORE:
+        g_desc = tl.make_tensor_descriptor(g_ptr, shape=[M, NB], strides=[NB, 1],
+                                           block_shape=[BM, BN])
+    tiles_m = tl.cdiv(M, BM)
+    tiles_n = tl.cdiv(NB, BN)
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
+        r0 = pid_m * BM
+        c0 = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BK)):
+            a = h_desc.load([r0, k * BK])
+            if DV:
+                b = w_desc.load([k * BK, col0 + c0])
+            else:
+                b = w_desc.load([col0 + c0, k * BK]).T
+            if F32_DOT:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        rows = r0 + tl.arange(0, BM)
+        cols = c0 + tl.arange(0, BN)
+        live = rows < M
+        inside = cols < NB
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + col0 + cols, mask=inside, other=0.0).to(tl.float32)[None, :]
+        z = _round(acc, dt, F32_DOT) * inv_temp
+        coef = coef_ptr + rows.to(tl.int64) * 6
+        lse = tl.load(coef, mask=live, other=0.0)
+        lse_lo = tl.load(coef + 1, mask=live, other=0.0)
+        A = tl.load(coef + 2, mask=live, other=0.0)
+        L = tl.load(coef + 4, mask=live, other=0.0)
+        C = tl.load(coef + 5, mask=live, other=0.0)
+        t = (z - lse[:, None]) - lse_lo[:, None]
+        p = tl.math.exp2(t * LOG2E)
+        if LOG_TERM:
+            B = tl.load(coef + 3, mask=live, other=0.0)
+            g = p * (A[:, None] + B[:, None] * t)
+        else:
+            g = p * A[:, None]
+        y = tl.load(y_ptr + rows, mask=live, other=-1)
+        g = g + tl.where(cols[None, :] == y[:, None], L[:, None], 0.0) + C[:, None]
+        if TMA_STORE:
+            g_desc.store([r0, c0], g.to(dt))
+        else:
+            out = g_ptr + rows.to(tl.int64)[:, None] * NB + cols[None, :]
+            tl.store(out, g.to(dt), mask=live[:, None] & inside[None, :])
