@@ -75,6 +75,39 @@ def _tile_coords(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _descriptors(h_ptr, w_ptr, M, V, K, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, DV: tl.constexpr):
+    """TMA descriptors of hidden [M, K] and the weight ([K, V] with DV, else [V, K])."""
+    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BM, BK])
+    if DV:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, V], strides=[V, 1],
+                                           block_shape=[BK, BN])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[K, 1],
+                                           block_shape=[BN, BK])
+    return h_desc, w_desc
+
+
+@triton.jit
+def _logits_tile(h_desc, w_desc, r0, c0, K, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, DV: tl.constexpr, F32_DOT: tl.constexpr):
+    """float32 h[r0:r0+BM] @ W[:, c0:c0+BN] over all K (zeros where TMA reads past an edge)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BK)):
+        a = h_desc.load([r0, k * BK])
+        if DV:
+            b = w_desc.load([k * BK, c0])
+        else:
+            b = w_desc.load([c0, k * BK]).T
+        if F32_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
 def _round(x, dt: tl.constexpr, BY_HAND: tl.constexpr):
     """float32 x rounded to dt (to nearest even), as float32. BY_HAND: bfloat16 by integer
     arithmetic (Triton's interpreter converts float32 to bfloat16 by truncation); NaN and
@@ -105,14 +138,7 @@ def head_stats_kernel(
     H100, N=8192, D=4096, V=151936: 14.75 ms flattened, 14.57 also warp-specialised, 14.88
     neither (torch.mm 14.00)."""
     dt = h_ptr.dtype.element_ty
-    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BM, BK])
-    if DV:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, N], strides=[N, 1],
-                                           block_shape=[BK, BN])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
-                                           block_shape=[BN, BK])
+    h_desc, w_desc = _descriptors(h_ptr, w_ptr, M, N, K, BM, BN, BK, DV)
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=FLATTEN,
@@ -120,17 +146,7 @@ def head_stats_kernel(
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         r0 = pid_m * BM
         c0 = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
-            a = h_desc.load([r0, k * BK])
-            if DV:
-                b = w_desc.load([k * BK, c0])
-            else:
-                b = w_desc.load([c0, k * BK]).T
-            if F32_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+        acc = _logits_tile(h_desc, w_desc, r0, c0, K, BM, BN, BK, DV, F32_DOT)
         rows = r0 + tl.arange(0, BM)
         cols = c0 + tl.arange(0, BN)
         if HAS_BIAS:  # (bias in dt) added before the one rounding, as cuBLAS's bias epilogue
@@ -188,14 +204,7 @@ def head_grad_kernel(
     LOG_TERM: B is not all 0. TMA_STORE: g's rows are 16-byte multiples (else plain stores)."""
     dt = h_ptr.dtype.element_ty
     col0 = tl.load(col0_ptr)
-    h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BM, BK])
-    if DV:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K, V], strides=[V, 1],
-                                           block_shape=[BK, BN])
-    else:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[V, K], strides=[K, 1],
-                                           block_shape=[BN, BK])
+    h_desc, w_desc = _descriptors(h_ptr, w_ptr, M, V, K, BM, BN, BK, DV)
     if TMA_STORE:
         g_desc = tl.make_tensor_descriptor(g_ptr, shape=[M, NB], strides=[NB, 1],
                                            block_shape=[BM, BN])
@@ -206,17 +215,7 @@ def head_grad_kernel(
         pid_m, pid_n = _tile_coords(tile, tiles_m, tiles_n, GROUP_M)
         r0 = pid_m * BM
         c0 = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BK)):
-            a = h_desc.load([r0, k * BK])
-            if DV:
-                b = w_desc.load([k * BK, col0 + c0])
-            else:
-                b = w_desc.load([col0 + c0, k * BK]).T
-            if F32_DOT:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+        acc = _logits_tile(h_desc, w_desc, r0, col0 + c0, K, BM, BN, BK, DV, F32_DOT)
         rows = r0 + tl.arange(0, BM)
         cols = c0 + tl.arange(0, BN)
         live = rows < M
