@@ -97,16 +97,22 @@ def vector_problems(results) -> list[str]:
     return problems
 
 
+H100_SHARED_BYTES = 232448  # the opt-in maximum a block may use (227 KiB)
+
+
 def _check_head_gemm(compiled, num_warps: int) -> None:
-    """The fused head GEMM as JAX launches it: within the global scratch a program gets
-    (head_gemm.SCRATCH_BYTES), at the warps asked for (jax-triton launches those, not a
-    warp-specialised total), its operands through TMA and its products on wgmma."""
+    """A fused head GEMM as JAX launches it: within the global scratch a program gets
+    (head_gemm.SCRATCH_BYTES) and an H100's shared memory, at the warps asked for
+    (jax-triton launches those, not a warp-specialised total), its operands through TMA and
+    its products on wgmma. (Compiled at Triton's default 3 stages, which the configs use.)"""
     from jax_fusedloss.kernels import head_gemm
 
     meta, ptx = compiled.metadata, compiled.asm["ptx"]
     if not 0 < meta.global_scratch_size <= head_gemm.SCRATCH_BYTES:
         raise AssertionError(f"global scratch {meta.global_scratch_size} B a program, "
                              f"{head_gemm.SCRATCH_BYTES} passed")
+    if meta.shared > H100_SHARED_BYTES:
+        raise AssertionError(f"{meta.shared} B of shared memory, over an H100's")
     if meta.num_warps != num_warps:
         raise AssertionError(f"{meta.num_warps} warps compiled, {num_warps} launched")
     if "cp.async.bulk.tensor" not in ptx or "wgmma.mma_async" not in ptx:
@@ -128,7 +134,7 @@ def main() -> int:
             vec = vector_ops(compiled.asm["ptx"])
             if maxnreg is not None and f".maxnreg {maxnreg}" not in compiled.asm["ptx"]:
                 raise AssertionError(f"the register cap {maxnreg} is not in the PTX")
-            if name in ("head_stats_kernel", "head_grad_kernel"):
+            if name.startswith("head_"):
                 _check_head_gemm(compiled, num_warps)
             results.append((name, signature, constexprs, num_warps, vec))
             print(f"ok   {name} {constexprs} shared={compiled.metadata.shared}B "
