@@ -372,11 +372,13 @@ GEMM_EPILOGUE = True
 def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
     """Whether the fused GEMMs of kernels/head_gemm can run this op's statistics (`stats`)
     or, with `stats=False`, its vocabulary walk's gradient blocks (op.gemm_grad decides
-    then): Triton compiled or interpreted, 16-bit inputs whose rows TMA can address."""
+    then): Triton on a GPU with TMA (sm_90 on) or interpreted, 16-bit inputs whose rows TMA
+    can address."""
     if not GEMM_EPILOGUE or impl != "triton" or (stats and op.gemm_stats() is None):
         return False
-    if not (_triton_jax.on_cuda_gpu() or _triton_jax.interpreter_enabled()):
-        return False
+    if not (_triton_jax.has_tma() or (not _triton_jax.on_cuda_gpu()
+                                      and _triton_jax.interpreter_enabled())):
+        return False  # (an A100: the matmul walk)
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     vocab = w.shape[_vocab_dim(op.head.layout)]

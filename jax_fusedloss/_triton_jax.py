@@ -70,6 +70,17 @@ def num_sms() -> int:
     return DEFAULT_NUM_SMS
 
 
+def has_tma() -> bool:
+    """Whether the default device is a CUDA GPU with TMA (compute capability 9.0 or newer: H100,
+    H200, B200), which kernels/head_gemm.py's descriptors need."""
+    if not on_cuda_gpu():
+        return False
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", "0")) >= 9.0
+    except (TypeError, ValueError):
+        return False
+
+
 def check_triton_available() -> None:
     """Raises NotImplementedError when the "triton" implementation cannot run in this process.
 
