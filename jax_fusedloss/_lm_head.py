@@ -363,9 +363,9 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     return _chunks(vocab, min(head.block, vocab), block, init)
 
 
-# The statistics-only forward through kernels/head_gemm (the softmax partials in the GEMM's
-# epilogue) where it applies (`_gemm_applies`); False: the matmul and row-function walk (the
-# benchmarks' A/B switch).
+# The fused GEMMs of kernels/head_gemm where they apply (`_gemm_applies`): the statistics-only
+# forward (softmax partials in the GEMM's epilogue) and lean's vocabulary blocks (their logits'
+# gradient in the epilogue); False: the matmuls and the row functions (the benchmarks' A/B).
 GEMM_EPILOGUE = True
 
 
