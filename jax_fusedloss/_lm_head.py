@@ -130,9 +130,10 @@ class HeadOp:
         None (the default): the matmul and row-function walk."""
         return None
 
-    def gemm_finish(self, m, s, u, zy, labels, vocab: int) -> tuple:
+    def gemm_finish(self, m, s, u, zy, rows: tuple, vocab: int) -> tuple:
         """The forward's statistics from a row's merged softmax partials over all `vocab`
-        columns (max m, s, u as `_xla.reductions.merge_stats`) and its label's logit zy."""
+        columns (max m, s, u as `_xla.reductions.merge_stats`), its label's logit zy and the
+        forward's row inputs `rows` (`row_inputs`; the labels first)."""
         raise NotImplementedError
 
     def gemm_grad(self, rows: tuple) -> tuple | None:
@@ -312,13 +313,15 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
 
 
 def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = True,
-                fused: bool = False):
+                fused: bool = False, dw_gemm: bool = False):
     """The lean backward: (dH, dW, db) from the backward row function `bwd(z, *rows)` over
     blocks of `op.head.block` vocabulary columns (see the module doc); dH is None without
     `with_dh` (the forward computed it). dH accumulates in float32; each block of dW is one
     full-K matmul over the tokens (row chunks of `block_rows` tokens sum into a float32
     `[D, B]` block) written once in W's dtype. `fused`: each block's logits and gradient from
-    `_gemm_grad` (the weight read in place) instead of the matmul and `bwd`."""
+    `_gemm_grad` (the weight read in place) instead of the matmul and `bwd`. `dw_gemm`: a
+    block over all tokens whose gradient TMA can address has its dW written into dW in place
+    by `_gemm_dw` (no block buffer, no copy)."""
     n, f32, head = h.shape[0], jnp.float32, op.head
     vdim = _vocab_dim(head.layout)
     vocab = w.shape[vdim]
@@ -347,16 +350,20 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
             if dbb is not None:
                 dbb = dbb + jnp.sum(g.astype(f32), axis=0)
             if dwb is None:  # the whole block in one GEMM: float32 inside, W's dtype out
-                return dh, _dw(hc, g, head.layout, w.dtype), dbb
+                return dh, g if in_place else _dw(hc, g, head.layout, w.dtype), dbb
             return dh, dwb + _dw(hc, g, head.layout, f32), dbb
 
         dbb0 = None if b is None else _zeros((size,), f32, vma)
+        in_place = dw_gemm and chunk >= n and _dw_gemm_ok(size, h.dtype)
         if chunk >= n:  # all tokens at once: dW's block straight from one GEMM
             dh, dwb, dbb = part(0, n, (dh, None, dbb0))
         else:
             dwb0 = _zeros(wb.shape, f32, vma)
             dh, dwb, dbb = _chunks(n, chunk, part, (dh, dwb0, dbb0))
-        dw = _put(dw, start, dwb, axis=vdim)
+        if in_place:  # (dwb is the block's gradient g)
+            dw = _gemm_dw(h, dwb, dw, start, head.layout)
+        else:
+            dw = _put(dw, start, dwb, axis=vdim)
         db = None if db is None else _put(db, start, dbb)
         return dh, dw, db
 
@@ -367,6 +374,9 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
 # forward (softmax partials in the GEMM's epilogue) and lean's vocabulary blocks (their logits'
 # gradient in the epilogue); False: the matmuls and the row functions (the benchmarks' A/B).
 GEMM_EPILOGUE = True
+# Under GEMM_EPILOGUE, lean's dW blocks written into dW by a GEMM of ours (`_gemm_dw`) rather
+# than XLA's dot then a copy; False: the copy (the benchmarks' A/B).
+DW_IN_PLACE = True
 
 
 def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
@@ -383,6 +393,12 @@ def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
 
     vocab = w.shape[_vocab_dim(op.head.layout)]
     return _gemm.tma_ok(h.shape[1], vocab, op.head.layout, jnp.dtype(h.dtype).itemsize)
+
+
+def _dw_gemm_ok(cols: int, dtype) -> bool:
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    return _gemm.dw_ok(cols, jnp.dtype(dtype).itemsize)
 
 
 def _gemm_grad_applies(op: HeadOp, impl: str, h, w, rows) -> bool:
@@ -417,7 +433,30 @@ def _gemm_grad(op: HeadOp, hc, w, b, start, size: int, *rows):
     return g
 
 
-def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
+def _gemm_dw(h, g, dw, start, layout: str):
+    """`dW[block] = h^T g` for the vocabulary block of columns [start, start + g.shape[1])
+    over all tokens `h`, written into `dw` in place through head_gemm.head_dw_kernel."""
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    gpu = _triton_jax.on_cuda_gpu()
+    cfg = _gemm.config(gpu)
+    (n, d), size = h.shape, g.shape[1]
+    grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS,
+                      -(-size // cfg["BM"]) * -(-d // cfg["BN"])))
+    (dw,) = _triton_jax.launch(
+        _gemm.head_dw_kernel, grid=(grid,),
+        inputs=[g, h, jnp.asarray(start, jnp.int32).reshape(1), dw],
+        scalars=[n, size, d, dw.shape[_vocab_dim(layout)]],
+        out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], input_output_aliases={3: 0},
+        partial_alias=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        scratch=_gemm.SCRATCH_BYTES,
+        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                        PROGRAMS=grid, DV=layout == "dv", F32_DOT=not gpu, FLATTEN=gpu,
+                        WARP_SPECIALIZE=gpu))
+    return dw
+
+
+def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):
     """The forward's statistics from kernels/head_gemm's fused GEMM over token chunks of at
     most `head_gemm.chunk_rows` (its partials' budget), merged per row, then across the
     vocabulary axes (a slice of a sharded head), then `op.gemm_finish`."""
@@ -429,6 +468,7 @@ def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
     (n, d), layout = h.shape, op.head.layout
     vocab = w.shape[_vocab_dim(layout)]
     tiles = _gemm.part_tiles(vocab, cfg)
+    y = rows[0]
     programs = _triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS
     local_y = y - _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else y
     bias = jnp.zeros((1,), h.dtype) if b is None else b.astype(h.dtype)
@@ -450,7 +490,7 @@ def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
         return m, s, u, jnp.sum(part[..., 3], axis=1)
 
     partials = _sharding._map_batched(partials)  # vmapped inside shard_map: one at a time
-    vma = _vma(h, w, b, y) - frozenset(vocab_axes)
+    vma = _vma(h, w, b, *rows) - frozenset(vocab_axes)
 
     def body(start, size, carry):
         got = partials(_slice(h, start, size), _slice(local_y, start, size))
@@ -462,7 +502,7 @@ def _gemm_walk(op: HeadOp, h, w, b, y, vocab_axes=()):
         m, s, u, zy = _sharding.merge_across(vocab_axes, m, s, u if entropy else None,
                                              sums=(zy,))
         vocab = _sharding.global_vocab(vocab, vocab_axes)
-    return op.gemm_finish(m, s, u if entropy else None, zy, y, vocab)
+    return op.gemm_finish(m, s, u if entropy else None, zy, rows, vocab)
 
 
 # ----------------------------------------------------------------------------- partitioning
@@ -485,7 +525,9 @@ def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
         if spec.walk == "vocab":
             outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
                                vocab_axes=vocab, with_dh=spec.dh,
-                               fused=_gemm_grad_applies(op, impl, h, w, rest))
+                               fused=_gemm_grad_applies(op, impl, h, w, rest),
+                               dw_gemm=DW_IN_PLACE and _gemm_applies(op, impl, h, w,
+                                                                     stats=False))
         else:
             outs = _token_walk(role, op, ce, h, w, b, *rest, vocab_axes=vocab)
         *stats, dh, dw, db = outs
@@ -567,6 +609,10 @@ def _head(op: HeadOp, h, w, b, *aux):
 
 
 def _forward_role(op: HeadOp, dtype) -> str:
+    """The forward's walk. "lean" keeps dH in the forward even where the fused statistics GEMM
+    could run it (then the vocabulary walk computes dH too): lean cross-entropy on an H100
+    (N=8192, D=4096, V=128256, [V, D], bf16) took 56.4 ms that way against 54.2-55.2
+    (benchmarks/NOTES.md, twenty-first session)."""
     if not fuses_grad(op, dtype):
         return "fwd"
     return "fwd_dh" if op.head.mode == "lean" else "fwd_grad"

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from jax_fusedloss import _common, _lm_head, _weights
 from jax_fusedloss._lm_head import MODES, DEFAULT_MODE
+from jax_fusedloss._xla import cross_entropy as _xla_ce
+from jax_fusedloss._xla.chunks import lse_parts
 from jax_fusedloss.cross_entropy import CEOptions, _row_cotangent, _row_fns
 
 # Each chunk's logits gradient overwrites the chunk's logits (a temporary of the walk): the
@@ -68,6 +70,17 @@ class _LinearCE(_lm_head.HeadOp):
     def shift(self, rows, offset):
         y, lse, coef = rows
         return y - offset, lse, coef
+
+    def gemm_stats(self):
+        if self.opts.softcap is not None or self.opts.smoothing > 0:
+            return None  # (the fused GEMM keeps neither a tanh nor the sum of the logits)
+        return 1.0, False
+
+    def gemm_finish(self, m, s, u, zy, rows, vocab):
+        y, row_scale = rows
+        lse, lse_lo = lse_parts(m, s)
+        loss, coef = _xla_ce.finish(lse, lse_lo, zy, None, y, row_scale, self.opts, vocab)
+        return loss, lse, coef
 
     def gemm_grad(self, rows):
         if self.opts.softcap is not None:

@@ -98,8 +98,8 @@ class _LinearLogprobs(_lm_head.HeadOp):
     def gemm_stats(self):
         return self.opts.temperature, self.opts.entropy
 
-    def gemm_finish(self, m, s, u, zy, labels, vocab):
-        return tuple(o for o in _xla_red.finish(m, s, u, zy, labels, vocab) if o is not None)
+    def gemm_finish(self, m, s, u, zy, rows, vocab):
+        return tuple(o for o in _xla_red.finish(m, s, u, zy, rows[0], vocab) if o is not None)
 
     def gemm_grad(self, rows):
         lse, ent, cot, y = rows

@@ -206,12 +206,27 @@ def _head_grad():
                cfg["num_warps"], None)
 
 
+def _head_dw():
+    """The lean backward's dW blocks written in place (kernels/head_gemm.py): both layouts,
+    fp16 once."""
+    from jax_fusedloss.kernels import head_gemm
+
+    cfg = head_gemm.config(True)
+    names = [p.name for p in head_gemm.head_dw_kernel.params if not p.is_constexpr]
+    for dt, dv in (("bf16", True), ("bf16", False), ("fp16", False)):
+        types = [f"*{dt}", f"*{dt}", "*i32", f"*{dt}", "i32", "i32", "i32", "i32", f"*{dt}"]
+        yield (head_gemm.head_dw_kernel, dict(zip(names, types)),
+               dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                    PROGRAMS=SMS, DV=dv, F32_DOT=False, FLATTEN=True, WARP_SPECIALIZE=True),
+               cfg["num_warps"], None)
+
+
 def specs():
     """Distinct compiles, in a stable order."""
     seen = set()
     for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd(),
                                                                        _kd_tail(), _head_gemm(),
-                                                                       _head_grad()):
+                                                                       _head_grad(), _head_dw()):
         key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
                maxnreg)
         if key not in seen:

@@ -236,6 +236,29 @@ def test_gpu_real_size(gemm_calls, layout):
                      what=f"{name} vs float64")
 
 
+@pytest.mark.gpu
+def test_gpu_cross_entropy_statistics_forward(gemm_calls):
+    """linear_cross_entropy's evaluation loss (no gradient) and per-token losses through the
+    compiled statistics GEMM at N=8192, D=4096, V=128256 ([V, D], bf16, z-loss, ignored
+    tokens): against the matmul walk."""
+    n, d, vocab = 8192, 4096, 128256
+    h, w, _, y = inputs(2, n, d, vocab, "bfloat16", "vd", False, bad=False)
+    w = (w.astype(jnp.float32) * 0.05).astype(jnp.bfloat16)
+    y = y.at[::5].set(-100)
+    outs = {}
+    for gemm in (True, False):
+        _lm_head.GEMM_EPILOGUE = gemm
+        try:
+            outs[gemm] = [jax.jit(lambda h, w, r=r: jax_fusedloss.linear_cross_entropy(
+                h, w, y, weight_layout="vd", z_loss=1e-4, reduction=r))(h, w)
+                for r in ("mean", "none")]
+        finally:
+            _lm_head.GEMM_EPILOGUE = True
+    assert len(gemm_calls) == 2
+    for a, t, name in zip(outs[True], outs[False], ("mean", "none")):
+        assert_close(a, t, rtol=1e-4, atol=1e-4, what=f"{name} vs the walk")
+
+
 def _grads64(h, w, b, y, layout, g_of_z):
     """(dh, dw[, db]) in float64 of an objective whose gradient w.r.t. the logits (rounded
     once to the inputs' dtype, then divided by nothing: g_of_z takes them as they are) is
@@ -364,3 +387,143 @@ def test_gradient_kernel_elementwise(interpreter, layout, start, size):
     assert ((local >= 0) & (local < size)).any() and ((local < 0) | (local >= size)).any()
     # bfloat16 output (the interpreter truncates: 2**-7 relative)
     assert_close(g, want, rtol=1e-2, atol=1e-6, what="block gradient")
+
+
+def _ce64(h, w, b, y, layout, z_loss, ignore=-100):
+    """Per-token cross-entropy (+ z_loss * lse^2) in float64 of the logits rounded once;
+    0 at ignored tokens, NaN at labels outside [0, V)."""
+    zr = float64_ref(h, w, b, y, layout, 1.0)  # (its rounding; logp at the labels)
+    hf, wf = np.asarray(h, np.float64), np.asarray(w, np.float64)
+    z = hf @ (wf if layout == "dv" else wf.T)
+    if b is not None:
+        z = z + np.asarray(b, np.float64)
+    z = np.asarray(jnp.asarray(z, jnp.float32).astype(h.dtype), np.float64)
+    lse = np.log(np.sum(np.exp(z - z.max(1, keepdims=True)), 1)) + z.max(1)
+    yy = np.asarray(y)
+    loss = -zr[0] + z_loss * lse ** 2
+    return np.where(yy == ignore, 0.0, loss)
+
+
+@pytest.mark.parametrize("layout, dtype, bias", [("vd", "bfloat16", True),
+                                                 ("dv", "float16", False)])
+def test_cross_entropy_statistics_forward(interpreter, gemm_calls, layout, dtype, bias):
+    """linear_cross_entropy's statistics-only forward through the fused GEMM (an evaluation
+    loss without a gradient; per-token losses under a gradient in "fast"): ignored tokens,
+    labels out of range, z-loss, per-token weights; against float64 and the matmul walk,
+    loss and gradients. Label smoothing and a softcap keep the matmul walk."""
+    n, d, vocab, zl = 29, 24, 152, 1e-3
+    h, w, b, y = inputs(11, n, d, vocab, dtype, layout, bias)
+    y = y.at[4].set(-100).at[9].set(-100)
+    wt = jax.random.uniform(jax.random.key(4), (n,))
+    c = jax.random.normal(jax.random.key(5), (n,))
+    yc = jnp.where((y == -100) | ((y >= 0) & (y < vocab)), y, 0)  # no label out of range
+    kw = dict(bias=b, weight_layout=layout, z_loss=zl, implementation="triton")
+
+    def per_token(h, w, labels=y):
+        return jax_fusedloss.linear_cross_entropy(h, w, labels, reduction="none", **kw)
+
+    def objective(h, w):  # (a label out of range would make all of dW NaN: see the docstring)
+        return jnp.sum(per_token(h, w, yc) * c)
+
+    def run(gemm):
+        _lm_head.GEMM_EPILOGUE = gemm
+        try:
+            mean = jax.jit(lambda h, w: jax_fusedloss.linear_cross_entropy(
+                h, w, yc, weights=wt, **kw))(h, w)
+            return (mean, jax.jit(per_token)(h, w),
+                    jax.jit(jax.value_and_grad(objective, (0, 1)))(h, w))
+        finally:
+            _lm_head.GEMM_EPILOGUE = True
+
+    gemm_calls.clear()
+    got = run(True)
+    assert len(gemm_calls) == 3, gemm_calls  # the mean, the losses, the gradient's forward
+    walk = run(False)
+    ref = _ce64(h, w, b, y, layout, zl)
+    ref_c = _ce64(h, w, b, yc, layout, zl)
+    wts = np.where(np.asarray(yc) == -100, 0.0, np.asarray(wt, np.float64))
+    assert_close(got[1], ref, rtol=1e-5, atol=5e-5, equal_nan=True, what="losses vs float64")
+    assert np.isnan(np.asarray(got[1])[1:3]).all() and np.asarray(got[1])[4] == 0.0
+    assert_close(got[0], np.sum(ref_c * wts) / np.sum(wts), rtol=1e-5, atol=5e-5,
+                 what="weighted mean vs float64")
+    tol = dict(rtol=1e-5, atol=2e-5) if not bias else dict(rtol=0.0, atol=0.1)
+    assert_close(got[1], walk[1], equal_nan=True, what="losses vs the matmul walk", **tol)
+    assert_close(got[2][0], np.sum(ref_c * np.asarray(c, np.float64)), rtol=1e-4, atol=1e-4,
+                 what="objective vs float64")
+    for a, m, name in zip(got[2][1], walk[2][1], ("dh", "dw")):
+        scale = float(np.abs(np.asarray(m, np.float32)).max())
+        assert_close(a, m, atol=(4e-2 if bias else 1.5e-2) * scale, what=f"{name} vs the walk")
+    for opt in (dict(label_smoothing=0.1), dict(logit_softcap=20.0)):
+        gemm_calls.clear()
+        jax.jit(lambda h, w: jax_fusedloss.linear_cross_entropy(h, w, y, **kw, **opt))(h, w)
+        assert not gemm_calls, opt
+
+
+@pytest.mark.parametrize("layout, bias", [("vd", True), ("dv", False)])
+def test_lean_dw_blocks_written_in_place(interpreter, monkeypatch, layout, bias):
+    """The lean backward's dW blocks over all tokens written into dW by head_dw_kernel
+    (blocks of 24 columns, the ragged first one of 11 ([V, D], V=203: its rows are not
+    16-byte multiples, so XLA's dot and a copy) or 8 columns): cross-entropy (dH in the
+    forward) and token log-probs with the entropy (dH in the backward too), every entry of
+    dW against float64 and against the copy."""
+    from jax_fusedloss.kernels import linear_ce
+
+    monkeypatch.setattr(linear_ce, "MIN_BLOCK_COLS", 16)
+    monkeypatch.setattr(linear_ce, "BLOCK_COL_ALIGN", 8)
+    calls = []
+    real = _lm_head._gemm_dw
+    monkeypatch.setattr(_lm_head, "_gemm_dw",
+                        lambda *a, **k: (calls.append(a[1].shape[1]), real(*a, **k))[1])
+    n, vocab = 37, 203 if layout == "vd" else 200
+    h, w, b, y = inputs(2, n, 16, vocab, "bfloat16", layout, bias, bad=False)
+    c = jax.random.normal(jax.random.key(6), (2, n))
+    args = (h, w, b) if bias else (h, w)
+    argnums = tuple(range(len(args)))
+
+    def ce(h, w, b=None):
+        return jax_fusedloss.linear_cross_entropy(
+            h, w, y, bias=b, weight_layout=layout, z_loss=1e-3, mode="lean", chunk_size=5,
+            implementation="triton")
+
+    def rl(h, w, b=None):
+        lp, ent = jax_fusedloss.linear_token_logprobs(
+            h, w, y, bias=b, weight_layout=layout, return_entropy=True, mode="lean",
+            chunk_size=5, implementation="triton")
+        return jnp.sum(lp * c[0]) + jnp.sum(ent * c[1])
+
+    def g_ce(z):
+        p, lse = _softmax64(z)
+        g = (1 + 2e-3 * lse)[:, None] * p
+        g[np.arange(n), np.asarray(y)] -= 1.0
+        return g / n
+
+    def g_rl(z):
+        p, _ = _softmax64(z)
+        lp = np.log(p)
+        ent = -np.sum(p * lp, 1)
+        g_logp, g_h = np.asarray(c[0], np.float64), np.asarray(c[1], np.float64)
+        g = p * (-g_logp - g_h * ent)[:, None] - g_h[:, None] * p * lp
+        g[np.arange(n), np.asarray(y)] += g_logp
+        return g
+
+    ragged = 11 if layout == "vd" else 8
+    for name, f, g_of_z in (("cross-entropy", ce, g_ce), ("log-probs", rl, g_rl)):
+        calls.clear()
+        got = jax.jit(jax.grad(f, argnums))(*args)
+        # the ragged block, then one loop body ([V, D]'s 11 columns: XLA's dot)
+        assert calls == ([24] if layout == "vd" else [ragged, 24]), calls
+        _lm_head.DW_IN_PLACE = False
+        try:
+            copy = jax.jit(jax.grad(f, argnums))(*args)
+        finally:
+            _lm_head.DW_IN_PLACE = True
+        ref = _grads64(h, w, b, y, layout, g_of_z)
+        for a, m, r, what in zip(got, copy, ref, ("dh", "dw", "db")):
+            scale = float(np.abs(r).max())
+            # (CE's dH comes from the forward's walk, whose CPU logits round h W before
+            # adding the bias: a second rounding of z)
+            assert_close(a, r, atol=(3e-2 if bias else 1.5e-2) * scale,
+                         what=f"{name} {what} vs float64")
+            # the same products, rounded once either way (the interpreter's float32 dot
+            # against XLA's on the CPU: summation order only)
+            assert_close(a, m, rtol=1e-2, atol=1e-3 * scale, what=f"{name} {what} vs the copy")
