@@ -28,7 +28,8 @@ CHUNK_BUDGET_BYTES = 128 << 20
 #   "low_precision": C=512 1.23x 0.17 GiB | 768 1.08x 0.24 GiB | 1024 1.10-1.14x 0.31 GiB
 #   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.08-1.12x 2.08 GiB (the float32 dW dominates)
 #   "lean":          C=768 1.49x 0.30 GiB | 1024 1.50x 0.22 GiB (its backward's blocks hold C * V
-#                    logits with the weight's and dW's blocks: `vocab_block`)
+#                    logits with the weight's and dW's blocks: `vocab_block`); 1024 1.52x 0.12
+#                    GiB since each dW block is written into dW in place (2026-11-27)
 # float32 logits run float32 matmuls (far fewer flops per second): no floor.
 MIN_ROWS_16BIT = {"fast": 4096, "lean": 1024}
 LOW_PRECISION_CHUNK_BYTES = 192 << 20
