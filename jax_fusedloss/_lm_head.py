@@ -360,8 +360,9 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
         else:
             dwb0 = _zeros(wb.shape, f32, vma)
             dh, dwb, dbb = _chunks(n, chunk, part, (dh, dwb0, dbb0))
-        if in_place:  # (dwb is the block's gradient g)
-            dw = _gemm_dw(h, dwb, dw, start, head.layout)
+        if in_place:  # (dwb is the block's gradient g; inside shard_map a launch's result
+            # carries no varying axes: the loop's carry needs dW's)
+            dw = _sharding._pcast_to(_gemm_dw(h, dwb, dw, start, head.layout), vma)
         else:
             dw = _put(dw, start, dwb, axis=vdim)
         db = None if db is None else _put(db, start, dbb)

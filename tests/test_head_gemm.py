@@ -176,8 +176,9 @@ def test_vmap_and_gradient(interpreter, gemm_calls):
 
 def test_vocabulary_sharded_shard_map(interpreter):
     """shard_map over 4 CPU devices, the weight's vocabulary split (vocab_axis) and the
-    tokens too: each device's fused GEMM over its slice, merged across the axis, against one
-    device (a child process: the device count is fixed at jax's import)."""
+    tokens too: each device's fused GEMM over its slice, merged across the axis, and lean's
+    gradient (each device's dW block written in place), against one device (a child
+    process: the device count is fixed at jax's import)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = """
 import jax, jax.numpy as jnp, numpy as np
@@ -203,6 +204,26 @@ one = jax.jit(lambda h, w, b: jax_fusedloss.linear_token_logprobs(h, w, y, bias=
 assert calls, "no fused GEMM"
 for a, o in zip(got, one):
     np.testing.assert_allclose(np.asarray(a), np.asarray(o), rtol=1e-5, atol=2e-5)
+# lean's gradient: each device's vocabulary block over its tokens, dW written in place
+dws = []
+real_dw = _lm_head._gemm_dw
+_lm_head._gemm_dw = lambda *a, **k: (dws.append(1), real_dw(*a, **k))[1]
+c = jax.random.normal(jax.random.key(8), (2, 12))
+def obj(h, w, b, y, c, **kw):
+    lp, ent = jax_fusedloss.linear_token_logprobs(h, w, y, bias=b, weight_layout="vd",
+        return_entropy=True, implementation="triton", mode="lean", **kw)
+    return jnp.sum(jnp.where(jnp.isnan(lp), 0.0, lp) * c[0]) + jnp.sum(ent * c[1])
+def local_grad(h, w, b, y, c):  # (w's and b's gradients come back summed over "t")
+    return jax.grad(lambda h, w, b: obj(h, w, b, y, c, vocab_axis="v"), (0, 1, 2))(h, w, b)
+cs = put(c, P(None, "t"))
+got = jax.jit(jax.shard_map(local_grad, mesh=mesh, in_specs=(P("t"), P("v"), P("v"), P("t"),
+    P(None, "t")), out_specs=(P("t"), P("v"), P("v"))))(hs, ws, bs, ys, cs)
+one = jax.jit(jax.grad(lambda h, w, b: obj(h, w, b, y, c), (0, 1, 2)))(h, w, b)
+assert dws, "no dW written in place"
+for a, o in zip(got, one):
+    a, o = np.asarray(a, np.float32), np.asarray(o, np.float32)
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(a, o, rtol=2e-2, atol=2e-2 * np.abs(o).max())
 print("OK")
 """
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
