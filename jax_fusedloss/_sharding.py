@@ -369,8 +369,13 @@ def call_dims(body: Callable, in_dims: tuple[str, ...], out_dims: tuple[str, ...
     mesh = jax.typeof(explicit[0]).sharding.mesh
     rows, vocab = dims_layout(mesh, in_dims, [a.shape for a in args],
                               [jax.typeof(a).sharding.spec for a in args])
-    return jax.sharding.auto_axes(fn, out_sharding=tuple(dims_spec(d, rows, vocab)
-                                                         for d in out_dims))(*args)
+    run = jax.sharding.auto_axes(fn, out_sharding=tuple(dims_spec(d, rows, vocab)
+                                                        for d in out_dims))
+    if jax.sharding.get_abstract_mesh().empty:  # jit of explicitly sharded arrays without
+        # jax.set_mesh: auto_axes would leave the body's types Explicit
+        with jax.sharding.use_abstract_mesh(mesh):
+            return run(*args)
+    return run(*args)
 
 
 def sum_to_varying(out, like):

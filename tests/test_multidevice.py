@@ -89,3 +89,33 @@ def test_four_cpu_devices_linear_cross_entropy(interpreter):
     assert len(lines) == 3 * layouts_per_case(), out  # cases x layouts of the harness
 
 
+
+
+def test_linear_head_on_explicit_axes_without_set_mesh(interpreter):
+    """jit of explicitly sharded arrays with no `jax.set_mesh` around it (the mesh known only
+    from the arrays' types): linear_cross_entropy and its gradients with tokens and the
+    vocabulary sharded equal one device's. (The partitioned body used to trace with the
+    Explicit types and fail on a dynamic_update_slice of mixed shardings.)"""
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jax_fusedloss as jfl
+mesh = jax.make_mesh((2, 2), ("t", "v"), axis_types=(AxisType.Explicit,) * 2)
+k = jax.random.split(jax.random.key(0), 3)
+h = jax.random.normal(k[0], (32, 16))
+w = jax.random.normal(k[1], (96, 16)) * 0.3
+y = jax.random.randint(k[2], (32,), 0, 96)
+f = jax.jit(jax.value_and_grad(lambda h, w, y: jfl.linear_cross_entropy(
+    h, w, y, weight_layout="vd", mode="lean", chunk_size=8), (0, 1)))
+one = f(h, w, y)
+put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+got = f(put(h, P("t")), put(w, P("v")), put(y, P("t")))
+for a, o in zip(jax.tree.leaves(got), jax.tree.leaves(one)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(o), rtol=1e-5, atol=1e-6)
+print("OK")
+"""
+    env = dict(os.environ, **CPU4, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
