@@ -136,13 +136,17 @@ class HeadOp:
         forward's row inputs `rows` (`row_inputs`; the labels first)."""
         raise NotImplementedError
 
-    def gemm_grad(self, rows: tuple) -> tuple | None:
-        """For the vocabulary walk's blocks through `kernels.head_gemm.head_grad_kernel` (the
-        block's logits and their gradient in one GEMM, the weight read in place): from a
-        block's backward rows (`shift_block`'s) the kernel's per-row (coef [N, GRAD_FIELDS],
-        labels relative to the block, 1/T, whether any B is nonzero); None (the default):
-        the matmul and the backward row function."""
-        return None
+    def gemm_grad_supported(self) -> bool:
+        """Whether the vocabulary walk's blocks may run `kernels.head_gemm.head_grad_kernel`
+        (the block's logits and their gradient in one GEMM, the weight read in place) with
+        `gemm_grad`'s coefficients; False (the default): the matmul and the backward row
+        function."""
+        return False
+
+    def gemm_grad(self, rows: tuple) -> tuple:
+        """From a block's backward rows (`shift_block`'s) head_grad_kernel's per-row (coef
+        [N, GRAD_FIELDS], labels relative to the block, 1/T, whether any B is nonzero)."""
+        raise NotImplementedError
 
     def _replace(self, implementation: str) -> "HeadOp":
         return dataclasses.replace(self, opts=self.opts._replace(implementation=implementation))
@@ -382,9 +386,9 @@ DW_IN_PLACE = True
 
 def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
     """Whether the fused GEMMs of kernels/head_gemm can run this op's statistics (`stats`)
-    or, with `stats=False`, its vocabulary walk's gradient blocks (op.gemm_grad decides
-    then): Triton on a GPU with TMA (sm_90 on) or interpreted, 16-bit inputs whose rows TMA
-    can address."""
+    or, with `stats=False`, its vocabulary walk's blocks (their gradient where
+    op.gemm_grad_supported(), their dW always): Triton on a GPU with TMA (sm_90 on) or
+    interpreted, 16-bit inputs whose rows TMA can address."""
     if not GEMM_EPILOGUE or impl != "triton" or (stats and op.gemm_stats() is None):
         return False
     if not (_triton_jax.has_tma() or (not _triton_jax.on_cuda_gpu()
@@ -402,8 +406,28 @@ def _dw_gemm_ok(cols: int, dtype) -> bool:
     return _gemm.dw_ok(cols, jnp.dtype(dtype).itemsize)
 
 
-def _gemm_grad_applies(op: HeadOp, impl: str, h, w, rows) -> bool:
-    return _gemm_applies(op, impl, h, w, stats=False) and op.gemm_grad(rows) is not None
+def _gemm_launch(kernel, tiles, *, inputs, scalars, out_shapes, aliases=None, **constexprs):
+    """Launches one of kernels/head_gemm's persistent GEMMs: `tiles(cfg)` output tiles over
+    at most one program per SM (a few in the interpreter), the config's tiles, warps and
+    stages, Triton's global scratch (its TMA descriptors), float32 dots and hand rounding in
+    the interpreter, a flattened and warp-specialised tile loop on the GPU."""
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    gpu = _triton_jax.on_cuda_gpu()
+    cfg = _gemm.config(gpu)
+    grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS, tiles(cfg)))
+    return _triton_jax.launch(
+        kernel, grid=(grid,), inputs=inputs, scalars=scalars, out_shapes=out_shapes,
+        input_output_aliases=aliases, partial_alias=bool(aliases),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], scratch=_gemm.SCRATCH_BYTES,
+        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                        PROGRAMS=grid, F32_DOT=not gpu, FLATTEN=gpu, WARP_SPECIALIZE=gpu,
+                        **constexprs))
+
+
+def _bias_arg(b, dtype):
+    """The bias as the GEMMs take it (in the inputs' dtype; a dummy without one)."""
+    return jnp.zeros((1,), dtype) if b is None else b.astype(dtype)
 
 
 def _gemm_grad(op: HeadOp, hc, w, b, start, size: int, *rows):
@@ -412,25 +436,15 @@ def _gemm_grad(op: HeadOp, hc, w, b, start, size: int, *rows):
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     coef, labels, inv_temp, log_term = op.gemm_grad(rows)
-    gpu = _triton_jax.on_cuda_gpu()
-    cfg = _gemm.config(gpu)
     (n, d), layout = hc.shape, op.head.layout
-    vocab = w.shape[_vocab_dim(layout)]
-    grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS,
-                      -(-n // cfg["BM"]) * -(-size // cfg["BN"])))
-    bias = jnp.zeros((1,), hc.dtype) if b is None else b.astype(hc.dtype)
-    col0 = jnp.asarray(start, jnp.int32).reshape(1)
-    (g,) = _triton_jax.launch(
-        _gemm.head_grad_kernel, grid=(grid,),
-        inputs=[hc, w, bias, labels.astype(jnp.int32), coef.astype(jnp.float32), col0],
-        scalars=[n, size, d, vocab, float(inv_temp)],
+    (g,) = _gemm_launch(
+        _gemm.head_grad_kernel, lambda cfg: _gemm.tiles(n, size, cfg),
+        inputs=[hc, w, _bias_arg(b, hc.dtype), labels.astype(jnp.int32),
+                coef.astype(jnp.float32), jnp.asarray(start, jnp.int32).reshape(1)],
+        scalars=[n, size, d, w.shape[_vocab_dim(layout)], float(inv_temp)],
         out_shapes=[jax.ShapeDtypeStruct((n, size), hc.dtype)],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], scratch=_gemm.SCRATCH_BYTES,
-        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                        PROGRAMS=grid, DV=layout == "dv", HAS_BIAS=b is not None,
-                        LOG_TERM=bool(log_term),
-                        TMA_STORE=_gemm.grad_tma_store(size, jnp.dtype(hc.dtype).itemsize),
-                        F32_DOT=not gpu, FLATTEN=gpu, WARP_SPECIALIZE=gpu))
+        DV=layout == "dv", HAS_BIAS=b is not None, LOG_TERM=bool(log_term),
+        TMA_STORE=_gemm.grad_tma_store(size, jnp.dtype(hc.dtype).itemsize))
     return g
 
 
@@ -439,21 +453,13 @@ def _gemm_dw(h, g, dw, start, layout: str):
     over all tokens `h`, written into `dw` in place through head_gemm.head_dw_kernel."""
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
-    gpu = _triton_jax.on_cuda_gpu()
-    cfg = _gemm.config(gpu)
     (n, d), size = h.shape, g.shape[1]
-    grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS,
-                      -(-size // cfg["BM"]) * -(-d // cfg["BN"])))
-    (dw,) = _triton_jax.launch(
-        _gemm.head_dw_kernel, grid=(grid,),
+    (dw,) = _gemm_launch(
+        _gemm.head_dw_kernel, lambda cfg: _gemm.tiles(size, d, cfg),
         inputs=[g, h, jnp.asarray(start, jnp.int32).reshape(1), dw],
         scalars=[n, size, d, dw.shape[_vocab_dim(layout)]],
-        out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], input_output_aliases={3: 0},
-        partial_alias=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        scratch=_gemm.SCRATCH_BYTES,
-        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                        PROGRAMS=grid, DV=layout == "dv", F32_DOT=not gpu, FLATTEN=gpu,
-                        WARP_SPECIALIZE=gpu))
+        out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], aliases={3: 0},
+        DV=layout == "dv")
     return dw
 
 
@@ -464,29 +470,21 @@ def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     temperature, entropy = op.gemm_stats()
-    gpu = _triton_jax.on_cuda_gpu()
-    cfg = _gemm.config(gpu)
+    cfg = _gemm.config(_triton_jax.on_cuda_gpu())
     (n, d), layout = h.shape, op.head.layout
     vocab = w.shape[_vocab_dim(layout)]
     tiles = _gemm.part_tiles(vocab, cfg)
     y = rows[0]
-    programs = _triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS
     local_y = y - _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else y
-    bias = jnp.zeros((1,), h.dtype) if b is None else b.astype(h.dtype)
+    bias = _bias_arg(b, h.dtype)
 
     def partials(hc, yc):
         rows = hc.shape[0]
-        grid = _gemm.grid(rows, vocab, cfg, programs)
-        (part,) = _triton_jax.launch(
-            _gemm.head_stats_kernel, grid=(grid,), inputs=[hc, w, bias, yc],
-            scalars=[rows, vocab, d, float(1.0 / temperature)],
+        (part,) = _gemm_launch(
+            _gemm.head_stats_kernel, lambda cfg: _gemm.tiles(rows, vocab, cfg),
+            inputs=[hc, w, bias, yc], scalars=[rows, vocab, d, float(1.0 / temperature)],
             out_shapes=[jax.ShapeDtypeStruct((rows, tiles, _gemm.FIELDS), jnp.float32)],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            scratch=_gemm.SCRATCH_BYTES,
-            constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                            PROGRAMS=grid, DV=layout == "dv", HAS_BIAS=b is not None,
-                            ENTROPY=entropy, F32_DOT=not gpu, FLATTEN=gpu,
-                            WARP_SPECIALIZE=gpu))
+            DV=layout == "dv", HAS_BIAS=b is not None, ENTROPY=entropy)
         m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
         return m, s, u, jnp.sum(part[..., 3], axis=1)
 
@@ -524,11 +522,11 @@ def _partition_body(role: str, op: HeadOp, has_bias: bool, mesh, rows, vocab):
         if role == "fwd" and _gemm_applies(op, impl, h, w):
             return _gemm_walk(op, h, w, b, *rest, vocab_axes=vocab)
         if spec.walk == "vocab":
+            gemm = _gemm_applies(op, impl, h, w, stats=False)
             outs = _vocab_walk(op, lambda z, *r: fns["bwd"].local(z, *r)[0], h, w, b, *rest,
                                vocab_axes=vocab, with_dh=spec.dh,
-                               fused=_gemm_grad_applies(op, impl, h, w, rest),
-                               dw_gemm=DW_IN_PLACE and _gemm_applies(op, impl, h, w,
-                                                                     stats=False))
+                               fused=gemm and op.gemm_grad_supported(),
+                               dw_gemm=gemm and DW_IN_PLACE)
         else:
             outs = _token_walk(role, op, ce, h, w, b, *rest, vocab_axes=vocab)
         *stats, dh, dw, db = outs

@@ -82,9 +82,10 @@ class _LinearCE(_lm_head.HeadOp):
         loss, coef = _xla_ce.finish(lse, lse_lo, zy, None, y, row_scale, self.opts, vocab)
         return loss, lse, coef
 
+    def gemm_grad_supported(self):
+        return self.opts.softcap is None  # (the fused gradient GEMM has no tanh)
+
     def gemm_grad(self, rows):
-        if self.opts.softcap is not None:
-            return None  # (the fused gradient GEMM has no tanh)
         y, lse, coef = rows
         w = coef[:, 4]
         lse_lo = jnp.where(w != 0.0, coef[:, 3] / jnp.where(w != 0.0, w, 1.0), 0.0)

@@ -101,6 +101,9 @@ class _LinearLogprobs(_lm_head.HeadOp):
     def gemm_finish(self, m, s, u, zy, rows, vocab):
         return tuple(o for o in _xla_red.finish(m, s, u, zy, rows[0], vocab) if o is not None)
 
+    def gemm_grad_supported(self):
+        return True
+
     def gemm_grad(self, rows):
         lse, ent, cot, y = rows
         t = 1.0 / self.opts.temperature

@@ -60,9 +60,9 @@ def chunk_rows(n: int, vocab: int, cfg: dict) -> int:
     return min(n, rows)
 
 
-def grid(n: int, vocab: int, cfg: dict, programs: int) -> int:
-    tiles = triton.cdiv(n, cfg["BM"]) * part_tiles(vocab, cfg)
-    return max(1, min(programs, tiles))
+def tiles(n: int, cols: int, cfg: dict) -> int:
+    """Output tiles of an [n, cols] GEMM."""
+    return triton.cdiv(n, cfg["BM"]) * triton.cdiv(cols, cfg["BN"])
 
 
 @triton.jit
