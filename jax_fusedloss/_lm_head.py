@@ -456,7 +456,7 @@ def _gemm_dw(h, g, dw, start, layout: str):
     (n, d), size = h.shape, g.shape[1]
     (dw,) = _gemm_launch(
         _gemm.head_dw_kernel, lambda cfg: _gemm.tiles(size, d, cfg),
-        inputs=[g, h, jnp.asarray(start, jnp.int32).reshape(1), dw],
+        inputs=[g.astype(h.dtype), h, jnp.asarray(start, jnp.int32).reshape(1), dw],
         scalars=[n, size, d, dw.shape[_vocab_dim(layout)]],
         out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], aliases={3: 0},
         DV=layout == "dv")
