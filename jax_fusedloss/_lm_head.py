@@ -340,6 +340,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
         wb = _slice(w, start, size, axis=vdim)
         bb = None if b is None else _slice(b, start, size)
         shifted = op.shift_block(rows, first + start, size)
+        in_place = dw_gemm and chunk >= n and _dw_gemm_ok(size, h.dtype)
 
         def part(r0, rs, acc):
             dh, dwb, dbb = acc
@@ -358,15 +359,13 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
             return dh, dwb + _dw(hc, g, head.layout, f32), dbb
 
         dbb0 = None if b is None else _zeros((size,), f32, vma)
-        in_place = dw_gemm and chunk >= n and _dw_gemm_ok(size, h.dtype)
         if chunk >= n:  # all tokens at once: dW's block straight from one GEMM
             dh, dwb, dbb = part(0, n, (dh, None, dbb0))
         else:
             dwb0 = _zeros(wb.shape, f32, vma)
             dh, dwb, dbb = _chunks(n, chunk, part, (dh, dwb0, dbb0))
-        if in_place:  # (dwb is the block's gradient g; inside shard_map a launch's result
-            # carries no varying axes: the loop's carry needs dW's)
-            dw = _sharding._pcast_to(_gemm_dw(h, dwb, dw, start, head.layout), vma)
+        if in_place:  # (dwb is the block's gradient g)
+            dw = _gemm_dw(h, dwb, dw, start, head.layout)
         else:
             dw = _put(dw, start, dwb, axis=vdim)
         db = None if db is None else _put(db, start, dbb)
@@ -454,13 +453,13 @@ def _gemm_dw(h, g, dw, start, layout: str):
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     (n, d), size = h.shape, g.shape[1]
-    (dw,) = _gemm_launch(
+    (out,) = _gemm_launch(
         _gemm.head_dw_kernel, lambda cfg: _gemm.tiles(size, d, cfg),
         inputs=[g.astype(h.dtype), h, jnp.asarray(start, jnp.int32).reshape(1), dw],
         scalars=[n, size, d, dw.shape[_vocab_dim(layout)]],
         out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], aliases={3: 0},
         DV=layout == "dv")
-    return dw
+    return _sharding.match_varying(out, dw)  # (inside shard_map: a loop carry's type)
 
 
 def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):
@@ -479,11 +478,11 @@ def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):
     bias = _bias_arg(b, h.dtype)
 
     def partials(hc, yc):
-        rows = hc.shape[0]
+        count = hc.shape[0]
         (part,) = _gemm_launch(
-            _gemm.head_stats_kernel, lambda cfg: _gemm.tiles(rows, vocab, cfg),
-            inputs=[hc, w, bias, yc], scalars=[rows, vocab, d, float(1.0 / temperature)],
-            out_shapes=[jax.ShapeDtypeStruct((rows, tiles, _gemm.FIELDS), jnp.float32)],
+            _gemm.head_stats_kernel, lambda cfg: _gemm.tiles(count, vocab, cfg),
+            inputs=[hc, w, bias, yc], scalars=[count, vocab, d, float(1.0 / temperature)],
+            out_shapes=[jax.ShapeDtypeStruct((count, tiles, _gemm.FIELDS), jnp.float32)],
             DV=layout == "dv", HAS_BIAS=b is not None, ENTROPY=entropy)
         m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
         return m, s, u, jnp.sum(part[..., 3], axis=1)
