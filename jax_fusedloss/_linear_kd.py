@@ -101,7 +101,8 @@ def run_linear(hidden, weight, labels, teacher_ids, teacher_logprobs, mask, *, b
         return jnp.zeros(lead, jnp.float32) if reduction == "none" else jnp.float32(0.0)
     if chunk_size is not None:
         chunk_size = _common.check_static_int(chunk_size, "chunk_size", lo=1)
-    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size)
+    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size,
+                                   hidden.shape[-1])
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     w, keep = token_weights(weights, where, lead)

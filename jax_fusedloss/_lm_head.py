@@ -182,7 +182,7 @@ def default_chunk(n: int, vocab: int, dtype, mode: str) -> int:
 
 
 def head_options(n: int, vocab: int, dtype, layout: str, mode: str,
-                 chunk_size: int | None) -> HeadOptions:
+                 chunk_size: int | None, d: int | None = None) -> HeadOptions:
     """The walks' sizes for N tokens and this device's `vocab` columns: the token walk's chunk
     (`chunk_size`, validated by the caller, or `default_chunk`), the chunk of a forward that
     keeps statistics only (no dW per chunk, so nothing gains from long chunks: by default
@@ -196,9 +196,19 @@ def head_options(n: int, vocab: int, dtype, layout: str, mode: str,
         block_chunk = _plans.budget_rows(vocab, itemsize)
     else:
         chunk = stats_chunk = block_chunk = min(chunk_size, max(n, 1))
-    block, block_rows = _plans.vocab_block(n, vocab, block_chunk)
+    block, block_rows = _plans.vocab_block(n, vocab, block_chunk, _waves(mode, d))
     return HeadOptions(layout=layout, mode=mode, chunk=chunk, stats_chunk=stats_chunk,
                        block=block, block_rows=block_rows)
+
+
+def _waves(mode: str, d: int | None) -> tuple[int, int, int, int] | None:
+    """`kernels.linear_ce.vocab_block`'s `waves` for lean's blocks of hidden size `d` on a GPU
+    with TMA (where kernels/head_gemm's persistent GEMMs run them), else None."""
+    if mode != "lean" or d is None or not (WAVE_BLOCKS and _triton_jax.has_tma()):
+        return None
+    from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
+
+    return (_triton_jax.num_sms(), d, _gemm.GPU_CONFIG["BM"], _gemm.GPU_CONFIG["BN"])
 
 
 # ----------------------------------------------------------------------------- chunk algebra
@@ -227,18 +237,24 @@ def _dw(h, g, layout: str, dtype):
     return jax.lax.dot_general(g, h, (((0,), (0,)), ((), ())), preferred_element_type=dtype)
 
 
-def _chunks(n: int, chunk: int, body, init):
+def _chunks(n: int, chunk: int, body, init, static_first: bool = False):
     """Runs `carry = body(start, size, carry)` over the chunks of n: one static call for the
     ragged tail first, then a fori_loop over the full chunks (dynamic slices of the inputs, no
     copies). Tail first: after the loop, a tail's update of a loop-carried accumulator (dW)
     made XLA copy the whole accumulator (H100, N=8192 in chunks of 768: 1.1 GiB of
-    temporaries instead of 0.2)."""
+    temporaries instead of 0.2). `static_first`: the first call is a static one even without
+    a tail (the first full chunk), for a carry that the first call creates (`init` holds None
+    there)."""
     full = n // chunk
     carry = init
+    first = 0
     if n % chunk:
         carry = body(full * chunk, n % chunk, carry)
-    if full:
-        carry = jax.lax.fori_loop(0, full, lambda i, c: body(i * chunk, chunk, c), carry)
+    elif static_first and full:
+        carry = body(0, chunk, carry)
+        first = 1
+    if full > first:
+        carry = jax.lax.fori_loop(first, full, lambda i, c: body(i * chunk, chunk, c), carry)
     return carry
 
 
@@ -325,15 +341,20 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     `[D, B]` block) written once in W's dtype. `fused`: each block's logits and gradient from
     `_gemm_grad` (the weight read in place) instead of the matmul and `bwd`. `dw_gemm`: a
     block over all tokens whose gradient TMA can address has its dW written into dW in place
-    by `_gemm_dw` (no block buffer, no copy)."""
+    by `_gemm_dw` (no block buffer, no copy); when every block is, the first creates dW (no
+    zeros written first: 0.6-0.8 ms of a lean call on an H100)."""
     n, f32, head = h.shape[0], jnp.float32, op.head
     vdim = _vocab_dim(head.layout)
     vocab = w.shape[vdim]
     vma = _vma(h, w, b, *rows)
     first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
-    init = (_zeros(h.shape, f32, vma) if with_dh else None, _zeros(w.shape, w.dtype, vma),
-            None if b is None else _zeros(b.shape, f32, vma))
     chunk = min(head.block_rows, n)
+    size = min(head.block, vocab)
+    fresh = dw_gemm and chunk >= n and all(
+        _dw_gemm_ok(c, h.dtype) for c in (size, vocab % size) if c)
+    init = (_zeros(h.shape, f32, vma) if with_dh else None,
+            None if fresh else _zeros(w.shape, w.dtype, vma),
+            None if b is None else _zeros(b.shape, f32, vma))
 
     def block(start, size, carry):
         dh, dw, db = carry
@@ -365,13 +386,13 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
             dwb0 = _zeros(wb.shape, f32, vma)
             dh, dwb, dbb = _chunks(n, chunk, part, (dh, dwb0, dbb0))
         if in_place:  # (dwb is the block's gradient g)
-            dw = _gemm_dw(h, dwb, dw, start, head.layout)
+            dw = _gemm_dw(h, dwb, dw, start, head.layout, w, vma)
         else:
             dw = _put(dw, start, dwb, axis=vdim)
         db = None if db is None else _put(db, start, dbb)
         return dh, dw, db
 
-    return _chunks(vocab, min(head.block, vocab), block, init)
+    return _chunks(vocab, size, block, init, static_first=fresh)
 
 
 # The fused GEMMs of kernels/head_gemm where they apply (`_gemm_applies`): the statistics-only
@@ -381,6 +402,9 @@ GEMM_EPILOGUE = True
 # Under GEMM_EPILOGUE, lean's dW blocks written into dW by a GEMM of ours (`_gemm_dw`) rather
 # than XLA's dot then a copy; False: the copy (the benchmarks' A/B).
 DW_IN_PLACE = True
+# On a GPU with TMA, lean's blocks sized for whole waves of those GEMMs (`_waves`); False: the
+# budget's columns (the benchmarks' A/B).
+WAVE_BLOCKS = True
 
 
 def _gemm_applies(op: HeadOp, impl: str, h, w, stats: bool = True) -> bool:
@@ -447,19 +471,23 @@ def _gemm_grad(op: HeadOp, hc, w, b, start, size: int, *rows):
     return g
 
 
-def _gemm_dw(h, g, dw, start, layout: str):
+def _gemm_dw(h, g, dw, start, layout: str, w, vma: frozenset):
     """`dW[block] = h^T g` for the vocabulary block of columns [start, start + g.shape[1])
-    over all tokens `h`, written into `dw` in place through head_gemm.head_dw_kernel."""
+    over all tokens `h`, written into `dw` in place through head_gemm.head_dw_kernel; with
+    `dw` None into a new buffer shaped as the weight `w`, whose other columns are left
+    unwritten (for the walk's other blocks to fill). `vma`: the result's varying axes inside
+    shard_map (a loop carry's type; kernel outputs carry none)."""
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     (n, d), size = h.shape, g.shape[1]
     (out,) = _gemm_launch(
         _gemm.head_dw_kernel, lambda cfg: _gemm.tiles(size, d, cfg),
-        inputs=[g.astype(h.dtype), h, jnp.asarray(start, jnp.int32).reshape(1), dw],
-        scalars=[n, size, d, dw.shape[_vocab_dim(layout)]],
-        out_shapes=[jax.ShapeDtypeStruct(dw.shape, dw.dtype)], aliases={3: 0},
-        DV=layout == "dv")
-    return _sharding.match_varying(out, dw)  # (inside shard_map: a loop carry's type)
+        inputs=[g.astype(h.dtype), h, jnp.asarray(start, jnp.int32).reshape(1),
+                jnp.zeros((1,), w.dtype) if dw is None else dw],
+        scalars=[n, size, d, w.shape[_vocab_dim(layout)]],
+        out_shapes=[jax.ShapeDtypeStruct(w.shape, w.dtype)],
+        aliases=None if dw is None else {3: 0}, DV=layout == "dv")
+    return _sharding._pcast_to(out, vma)
 
 
 def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):

@@ -219,7 +219,8 @@ def linear_cross_entropy(
     ce_opts = CEOptions(ignore_index=ignore_index, reduction=reduction, smoothing=smoothing,
                         z_loss=zl, softcap=logit_softcap, return_lse=return_lse,
                         implementation="", vocab_axis=vocab_axis)
-    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size)
+    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size,
+                                   hidden.shape[-1])
     if vocab_axis is not None:
         vocab *= jax.lax.axis_size(vocab_axis)
     y = _common.labels_to_int32(labels.reshape(-1), ignore_index, vocab)

@@ -220,7 +220,8 @@ def linear_token_logprobs(
         return (empty, empty) if return_entropy else empty
     if chunk_size is not None:
         chunk_size = _common.check_static_int(chunk_size, "chunk_size", lo=1)
-    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size)
+    head = _lm_head.head_options(n, vocab, hidden.dtype, weight_layout, mode, chunk_size,
+                                   hidden.shape[-1])
     opts = RedOptions(temperature=temperature, entropy=return_entropy, implementation="",
                       vocab_axis=vocab_axis)
     if vocab_axis is not None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_fusedloss
-from jax_fusedloss import _lm_head
+from jax_fusedloss import _lm_head, _triton_jax
 from tests.helpers import assert_close
 
 
@@ -184,7 +184,7 @@ def test_vocabulary_sharded_shard_map(interpreter):
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import PartitionSpec as P
 import jax_fusedloss
-from jax_fusedloss import _lm_head
+from jax_fusedloss import _lm_head, _triton_jax
 from tests.test_head_gemm import inputs
 calls = []
 real = _lm_head._gemm_walk
@@ -486,15 +486,18 @@ def test_lean_dw_blocks_written_in_place(interpreter, monkeypatch, layout, bias)
     (blocks of 24 columns, the ragged first one of 11 ([V, D], V=203: its rows are not
     16-byte multiples, so XLA's dot and a copy) or 8 columns): cross-entropy (dH in the
     forward) and token log-probs with the entropy (dH in the backward too), every entry of
-    dW against float64 and against the copy."""
+    dW against float64 and against the copy. With every block in place ([D, V]) the first
+    (the ragged one) creates dW and writes only its columns: fresh outputs are NaN-poisoned,
+    so a column no block wrote fails."""
     from jax_fusedloss.kernels import linear_ce
 
     monkeypatch.setattr(linear_ce, "MIN_BLOCK_COLS", 16)
     monkeypatch.setattr(linear_ce, "BLOCK_COL_ALIGN", 8)
+    monkeypatch.setattr(_triton_jax, "POISON", float("nan"))
     calls = []
     real = _lm_head._gemm_dw
-    monkeypatch.setattr(_lm_head, "_gemm_dw",
-                        lambda *a, **k: (calls.append(a[1].shape[1]), real(*a, **k))[1])
+    monkeypatch.setattr(_lm_head, "_gemm_dw", lambda *a, **k: (
+        calls.append((a[1].shape[1], a[2] is None)), real(*a, **k))[1])
     n, vocab = 37, 203 if layout == "vd" else 200
     h, w, b, y = inputs(2, n, 16, vocab, "bfloat16", layout, bias, bad=False)
     c = jax.random.normal(jax.random.key(6), (2, n))
@@ -531,8 +534,10 @@ def test_lean_dw_blocks_written_in_place(interpreter, monkeypatch, layout, bias)
     for name, f, g_of_z in (("cross-entropy", ce, g_ce), ("log-probs", rl, g_rl)):
         calls.clear()
         got = jax.jit(jax.grad(f, argnums))(*args)
-        # the ragged block, then one loop body ([V, D]'s 11 columns: XLA's dot)
-        assert calls == ([24] if layout == "vd" else [ragged, 24]), calls
+        # the ragged block (creating dW where every block is in place), then one loop body
+        # ([V, D]'s 11 columns: XLA's dot, so every block updates a zeroed dW)
+        assert calls == ([(24, False)] if layout == "vd" else [(ragged, True), (24, False)]), \
+            calls
         _lm_head.DW_IN_PLACE = False
         try:
             copy = jax.jit(jax.grad(f, argnums))(*args)

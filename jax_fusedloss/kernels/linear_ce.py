@@ -77,7 +77,8 @@ def budget_rows(vocab: int, itemsize: int) -> int:
     return max(1, CHUNK_BUDGET_BYTES // (vocab * itemsize))
 
 
-def vocab_block(n: int, vocab: int, chunk: int) -> tuple[int, int]:
+def vocab_block(n: int, vocab: int, chunk: int, waves: tuple[int, int, int, int] | None = None
+                ) -> tuple[int, int]:
     """(columns per block, tokens per row chunk) of the lean backward's vocabulary walk, whose
     logits block holds at most `chunk * vocab` elements, as the token walk's chunk does.
 
@@ -86,13 +87,47 @@ def vocab_block(n: int, vocab: int, chunk: int) -> tuple[int, int]:
     fit one block, each block's float32 dW accumulator once per row chunk (D * cols * 8 bytes,
     N / rows times). All tokens at once (rows = N) when that leaves at least MIN_BLOCK_COLS
     columns (N=8192, V=128256, chunk 512: 7936 columns, 17 blocks); else square blocks
-    (rows ~ cols ~ sqrt(B)), which minimise the sum of the two."""
+    (rows ~ cols ~ sqrt(B)), which minimise the sum of the two.
+
+    `waves` = (multiprocessors, D, tile rows, tile columns) of the persistent GEMMs that run
+    each block over all tokens (kernels/head_gemm: the block's gradient `[N, cols]`, its dW
+    `[cols, D]`): the columns are then `wave_cols`' choice near the budget's."""
     budget = max(chunk, 1) * vocab
     cols = budget // max(n, 1)
     if cols >= vocab:
         return vocab, max(n, 1)
     if cols >= MIN_BLOCK_COLS:
+        if waves is not None:
+            return wave_cols(n, vocab, cols, *waves), max(n, 1)
         return cols - cols % BLOCK_COL_ALIGN, max(n, 1)
     side = math.isqrt(budget)
     cols = min(vocab, max(BLOCK_COL_ALIGN, side - side % BLOCK_COL_ALIGN))
     return cols, max(1, min(n, budget // cols))
+
+
+# wave_cols looks this far past the budget's columns (the block's logits, its memory, grow
+# with it) ...
+WAVE_STRETCH = 1.125
+
+
+def wave_cols(n: int, vocab: int, cols: int, sms: int, d: int, bm: int, bn: int) -> int:
+    """Columns per block (a multiple of the tile's `bn`, at least MIN_BLOCK_COLS, at most
+    `cols * WAVE_STRETCH`) for which the walk's persistent GEMMs (one program per
+    multiprocessor, static tile order) leave the fewest multiprocessors idle: a block's
+    gradient is `cdiv(n, bm) * cdiv(cols, bn)` tiles of K = d, its dW `cdiv(cols, bm) *
+    cdiv(d, bn)` tiles of K = n, and each launch takes as long as its most loaded program.
+    Ties: fewer blocks, then more columns. H100 (132 SMs), N=8192, D=4096, V=128256: 8448
+    columns (both GEMMs 16 and 8 full waves a block) where the budget's 7936 ran 15.03 and 7.52
+    waves, i.e. 16 and 8 with the last one idle."""
+    def cost(c: int) -> tuple[int, int, int]:
+        total = 0
+        for size, count in ((c, vocab // c), (vocab % c, 1)):
+            if size and count:
+                grad = -(-(-(-n // bm) * -(-size // bn)) // sms) * d
+                dw = -(-(-(-size // bm) * -(-d // bn)) // sms) * n
+                total += count * (grad + dw)
+        return total, -(-vocab // c), -c
+
+    top = max(bn, int(cols * WAVE_STRETCH) // bn * bn)
+    bottom = max(bn, -(-MIN_BLOCK_COLS // bn) * bn)
+    return min(range(bottom, top + 1, bn), key=cost, default=top)
