@@ -29,7 +29,8 @@ CHUNK_BUDGET_BYTES = 128 << 20
 #   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.08-1.12x 2.08 GiB (the float32 dW dominates)
 #   "lean":          C=768 1.49x 0.30 GiB | 1024 1.50x 0.22 GiB (its backward's blocks hold C * V
 #                    logits with the weight's and dW's blocks: `vocab_block`); 1024 1.52x 0.12
-#                    GiB since each dW block is written into dW in place (2026-11-27)
+#                    GiB since each dW block is written into dW in place (2026-11-27); 1024
+#                    1.45x 0.13 GiB with blocks sized for whole GEMM waves (`wave_cols`)
 # float32 logits run float32 matmuls (far fewer flops per second): no floor.
 MIN_ROWS_16BIT = {"fast": 4096, "lean": 1024}
 LOW_PRECISION_CHUNK_BYTES = 192 << 20
