@@ -433,19 +433,27 @@ def _gemm_launch(kernel, tiles, *, inputs, scalars, out_shapes, aliases=None, **
     """Launches one of kernels/head_gemm's persistent GEMMs: `tiles(cfg)` output tiles over
     at most one program per SM (a few in the interpreter), the config's tiles, warps and
     stages, Triton's global scratch (its TMA descriptors), float32 dots and hand rounding in
-    the interpreter, a flattened and warp-specialised tile loop on the GPU."""
+    the interpreter, a flattened and warp-specialised tile loop on the GPU; under vmap, one
+    batch element at a time."""
     from jax_fusedloss.kernels import head_gemm as _gemm  # imports triton
 
     gpu = _triton_jax.on_cuda_gpu()
     cfg = _gemm.config(gpu)
     grid = max(1, min(_triton_jax.num_sms() if gpu else _gemm.CPU_PROGRAMS, tiles(cfg)))
-    return _triton_jax.launch(
-        kernel, grid=(grid,), inputs=inputs, scalars=scalars, out_shapes=out_shapes,
-        input_output_aliases=aliases, partial_alias=bool(aliases),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], scratch=_gemm.SCRATCH_BYTES,
-        constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
-                        PROGRAMS=grid, F32_DOT=not gpu, FLATTEN=gpu, WARP_SPECIALIZE=gpu,
-                        **constexprs))
+
+    def launch(*arrays):
+        return _triton_jax.launch(
+            kernel, grid=(grid,), inputs=list(arrays), scalars=scalars, out_shapes=out_shapes,
+            input_output_aliases=aliases, partial_alias=bool(aliases),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            scratch=_gemm.SCRATCH_BYTES,
+            constexprs=dict(BM=cfg["BM"], BN=cfg["BN"], BK=cfg["BK"], GROUP_M=cfg["GROUP_M"],
+                            PROGRAMS=grid, F32_DOT=not gpu, FLATTEN=gpu, WARP_SPECIALIZE=gpu,
+                            **constexprs))
+
+    # vmapped (inside shard_map, where no custom_partitioning maps the batch first): one
+    # element at a time, as jax-triton has no batching rule
+    return _sharding._map_batched(launch)(*inputs)
 
 
 def _bias_arg(b, dtype):
@@ -515,7 +523,6 @@ def _gemm_walk(op: HeadOp, h, w, b, *rows, vocab_axes=()):
         m, s, u = _xla_red.merge_stats(part[..., 0], part[..., 1], part[..., 2], axis=1)
         return m, s, u, jnp.sum(part[..., 3], axis=1)
 
-    partials = _sharding._map_batched(partials)  # vmapped inside shard_map: one at a time
     vma = _vma(h, w, b, *rows) - frozenset(vocab_axes)
 
     def body(start, size, carry):

@@ -311,7 +311,10 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
     """The kernel through Triton's interpreter in a `buffer_callback`, which reads each
     device's buffers in place: `pure_callback` first puts its arguments on CPU device 0, and
     inside shard_map on 4 CPU devices the other devices' callbacks waited for those transfers
-    while device 0 waited for them at the next psum (a deadlock from 128 KiB inputs on)."""
+    while device 0 waited for them at the next psum (a deadlock from 128 KiB inputs on).
+    Like jax-triton's call on the GPU, it has no batching rule: a launch under vmap fails
+    here too (callers fold the batch into rows, `rowwise`, or map over it, `_sharding.
+    _map_batched`), so the CPU suite catches a vmap that would fail on the GPU."""
     from jax.experimental.buffer_callback import buffer_callback
 
     def host(_ctx, outs, *arrays):
@@ -324,7 +327,7 @@ def _interpret(kernel, grid, inputs, scalars, out_shapes, constexprs, aliases):
             for out, result in zip(outs, results):
                 np.asarray(out)[...] = _to_numpy(result)
 
-    return tuple(buffer_callback(host, tuple(out_shapes), vmap_method="sequential")(*inputs))
+    return tuple(buffer_callback(host, tuple(out_shapes), vmap_method=None)(*inputs))
 
 
 def launch(kernel, *, grid: tuple[int, ...], inputs: Sequence[jax.Array],

@@ -122,6 +122,24 @@ def compiler_env(**extra: str) -> dict:
     return env
 
 
+def interpret_on_4_cpu_devices(code: str, timeout: int) -> str:
+    """Runs `python -c code` in a child process that sees 4 CPU devices (the count is fixed
+    when jax starts) with Triton's interpreter, the repository importable; asserts that it
+    exits 0 and prints OK, and returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               TRITON_INTERPRET="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def force_path(name: str, monkeypatch) -> str:
     """Forces the launch heuristic onto the fused row path ("rows": 1 SM, so every batch has
     enough rows) or the two-level split path ("split": 64 SMs, so small batches split)."""

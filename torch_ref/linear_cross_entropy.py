@@ -91,7 +91,9 @@ def _accumulate(h, w, g, layout, dh, dw, db, start):
 
 def vocab_walk(h, w, b, layout, chunk, needs, block_grad):
     """The lean backward (jax_fusedloss._lm_head._vocab_walk): blocks of vocabulary columns
-    over all tokens (or row chunks of them), dW's block written once, dH summed in float32.
+    over all tokens (or row chunks of them), dW's block written once, dH summed in float32;
+    the budget's columns (JAX moves them to whole waves of its own block GEMMs on a GPU with
+    TMA; torch.mm has no such waves to fill).
     `block_grad(z, rows, c0, c1)` is the logits gradient of the tokens `rows` (a slice) at
     the columns `[c0, c1)` from their logits z."""
     n = h.shape[0]
