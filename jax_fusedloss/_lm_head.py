@@ -349,9 +349,9 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     vma = _vma(h, w, b, *rows)
     first = _sharding.slice_offset(vocab, vocab_axes) if vocab_axes else jnp.int32(0)
     chunk = min(head.block_rows, n)
-    size = min(head.block, vocab)
+    cols = min(head.block, vocab)
     fresh = dw_gemm and chunk >= n and all(
-        _dw_gemm_ok(c, h.dtype) for c in (size, vocab % size) if c)
+        _dw_gemm_ok(c, h.dtype) for c in (cols, vocab % cols) if c)
     init = (_zeros(h.shape, f32, vma) if with_dh else None,
             None if fresh else _zeros(w.shape, w.dtype, vma),
             None if b is None else _zeros(b.shape, f32, vma))
@@ -392,7 +392,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
         db = None if db is None else _put(db, start, dbb)
         return dh, dw, db
 
-    return _chunks(vocab, size, block, init, static_first=fresh)
+    return _chunks(vocab, cols, block, init, static_first=fresh)
 
 
 # The fused GEMMs of kernels/head_gemm where they apply (`_gemm_applies`): the statistics-only

@@ -114,21 +114,24 @@ WAVE_STRETCH = 1.125
 def wave_cols(n: int, vocab: int, cols: int, sms: int, d: int, bm: int, bn: int) -> int:
     """Columns per block (a multiple of the tile's `bn`, at least MIN_BLOCK_COLS, at most
     `cols * WAVE_STRETCH`) for which the walk's persistent GEMMs (one program per
-    multiprocessor, static tile order) leave the fewest multiprocessors idle: a block's
-    gradient is `cdiv(n, bm) * cdiv(cols, bn)` tiles of K = d, its dW `cdiv(cols, bm) *
-    cdiv(d, bn)` tiles of K = n, and each launch takes as long as its most loaded program.
-    Ties: fewer blocks, then more columns. H100 (132 SMs), N=8192, D=4096, V=128256: 8448
-    columns (both GEMMs 16 and 8 full waves a block) where the budget's 7936 ran 15.03 and 7.52
-    waves, i.e. 16 and 8 with the last one idle."""
+    multiprocessor, static tile order) take the least time: a block's gradient is
+    `cdiv(n, bm) * cdiv(cols, bn)` tiles of K = d, its dW `cdiv(cols, bm) * cdiv(d, bn)`
+    tiles of K = n, and each launch takes as long as its most loaded program (whole waves of
+    `sms` tiles). Ties: fewer blocks, then more columns. H100 (132 SMs), N=8192, D=4096,
+    V=128256: 8448 columns (both GEMMs 16 and 8 full waves a block) where the budget's 8064
+    ran 15.5 and 7.6 waves, i.e. 16 and 8 with the last one about half idle."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
     def cost(c: int) -> tuple[int, int, int]:
         total = 0
         for size, count in ((c, vocab // c), (vocab % c, 1)):
             if size and count:
-                grad = -(-(-(-n // bm) * -(-size // bn)) // sms) * d
-                dw = -(-(-(-size // bm) * -(-d // bn)) // sms) * n
+                grad = cdiv(cdiv(n, bm) * cdiv(size, bn), sms) * d
+                dw = cdiv(cdiv(size, bm) * cdiv(d, bn), sms) * n
                 total += count * (grad + dw)
-        return total, -(-vocab // c), -c
+        return total, cdiv(vocab, c), -c
 
     top = max(bn, int(cols * WAVE_STRETCH) // bn * bn)
-    bottom = max(bn, -(-MIN_BLOCK_COLS // bn) * bn)
+    bottom = max(bn, cdiv(MIN_BLOCK_COLS, bn) * bn)
     return min(range(bottom, top + 1, bn), key=cost, default=top)
