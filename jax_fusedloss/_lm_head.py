@@ -352,7 +352,10 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
     cols = min(head.block, vocab)
     fresh = dw_gemm and chunk >= n and all(
         _dw_gemm_ok(c, h.dtype) for c in (cols, vocab % cols) if c)
-    init = (_zeros(h.shape, f32, vma) if with_dh else None,
+    d = h.shape[1]
+    pieces = DH_PIECES if with_dh and fused and d % DH_PIECES == 0 else 1
+    init = (tuple(_zeros((n, d // pieces), f32, vma) for _ in range(pieces))
+            if with_dh else None,
             None if fresh else _zeros(w.shape, w.dtype, vma),
             None if b is None else _zeros(b.shape, f32, vma))
 
@@ -372,7 +375,7 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
             else:
                 g = bwd(_logits(hc, wb, bb, head.layout), *block_rows)
             if dh is not None:
-                dh = _put(dh, r0, _slice(dh, r0, rs) + _dh(g, wb, head.layout))
+                dh = _dh_update(dh, r0, g, w if pieces > 1 else wb, start, size, head.layout)
             if dbb is not None:
                 dbb = dbb + jnp.sum(g.astype(f32), axis=0)
             if dwb is None:  # the whole block in one GEMM: float32 inside, W's dtype out
@@ -392,7 +395,29 @@ def _vocab_walk(op: HeadOp, bwd, h, w, b, *rows, vocab_axes=(), with_dh: bool = 
         db = None if db is None else _put(db, start, dbb)
         return dh, dw, db
 
-    return _chunks(vocab, cols, block, init, static_first=fresh)
+    dh, dw, db = _chunks(vocab, cols, block, init, static_first=fresh)
+    return (None if dh is None else jnp.concatenate(dh, axis=1)), dw, db
+
+
+def _dh_update(dh: tuple, r0, g, w, start, size: int, layout: str) -> tuple:
+    """`dH[r0:r0 + rows] += g W_block^T` on dH kept as `len(dh)` float32 column pieces, one
+    GEMM per piece (`w`: the whole weight, whose block [start, start + size) XLA copies out for
+    cuBLAS; or the block itself, in one piece). Each piece's copy of its weight slice is ordered
+    after the previous piece's GEMM (an optimization barrier), so only one slice is alive: with
+    the [D, V] RL head of issue 29, a 69 MB copy becomes 35 MB (benchmarks/NOTES.md)."""
+    rs, width = g.shape[0], dh[0].shape[1]
+    vdim = _vocab_dim(layout)
+    out = []
+    for k, piece in enumerate(dh):
+        if len(dh) > 1:
+            if out:
+                out[-1], w = jax.lax.optimization_barrier((out[-1], w))
+            at = (start, k * width) if vdim == 0 else (k * width, start)
+            wk = jax.lax.dynamic_slice(w, at, (size, width) if vdim == 0 else (width, size))
+        else:
+            wk = w
+        out.append(_put(piece, r0, _slice(piece, r0, rs) + _dh(g, wk, layout)))
+    return tuple(out)
 
 
 # The fused GEMMs of kernels/head_gemm where they apply (`_gemm_applies`): the statistics-only
@@ -402,6 +427,9 @@ GEMM_EPILOGUE = True
 # Under GEMM_EPILOGUE, lean's dW blocks written into dW by a GEMM of ours (`_gemm_dw`) rather
 # than XLA's dot then a copy; False: the copy (the benchmarks' A/B).
 DW_IN_PLACE = True
+# Column pieces of the vocabulary walk's float32 dH under the fused GEMMs (`_dh_update`); 1:
+# one piece (the benchmarks' A/B).
+DH_PIECES = 2
 # On a GPU with TMA, lean's blocks sized for whole waves of those GEMMs (`_waves`); False: the
 # budget's columns (the benchmarks' A/B).
 WAVE_BLOCKS = True
