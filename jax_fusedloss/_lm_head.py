@@ -12,7 +12,8 @@ logits op runs through `_op`). Everything else is written once here:
   row chunks of them): the block's logits, its gradient from the forward's per-row statistics
   (the row function's backward on labels shifted by the block's first column, as a vocabulary
   slice of a sharded head), `dW[:, block] = h^T g` written once (a full-K matmul: float32
-  accumulation inside the GEMM, one rounding), `dH += g W_block^T` in float32.
+  accumulation inside the GEMM, one rounding), `dH += g W_block^T` in float32 (in column
+  pieces under the fused GEMMs, `_dh_update`).
 - **The memory modes** (`MODES`), one knob named for what the user gives up:
   "fast": the gradient for a unit cotangent is computed in the forward's token walk (three
   matmuls in all), dW summed over the chunks in a float32 `[D, V]` buffer; the backward only
