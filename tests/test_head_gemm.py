@@ -224,7 +224,6 @@ print("OK")
     interpret_on_4_cpu_devices(code, timeout=600)
 
 
-
 def test_vmap_inside_shard_map(interpreter):
     """vmap inside shard_map (4 CPU devices, the weight's vocabulary split): no custom
     partitioning maps the batch there, so each head GEMM launch must (jax-triton, like the
@@ -277,6 +276,7 @@ for mode, name in [("lean", "ce"), ("lean", "rl"), ("lean", "kd"), ("fast", "rl"
 print("OK")
 """
     interpret_on_4_cpu_devices(code, timeout=900)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["dv", "vd"])

@@ -311,13 +311,14 @@ def test_gpu_real_size_against_float64(mode):
                                                   return_entropy=not alone, mode=mode)
         return (out, jnp.zeros_like(out)) if alone else out
 
-    (_, (logp, ent)), (dh, dw) = obj(ours)(h, w)
-    (_, _), (_, dw_slice) = obj(ours)(h[:rows], w)
+    step = obj(ours)
+    (_, (logp, ent)), (dh, dw) = step(h, w)
+    (_, _), (_, dw_slice) = step(h[:rows], w)
     if mode == "lean":  # XLA's temporaries: a vocabulary block's gradient, dH's float32 sum
         # and one piece of the weight's block (XLA copies it out for cuBLAS), 16 MiB slack
         cols = _lm_head.head_options(n, vocab, jnp.bfloat16, "dv", mode, None, d).block
         budget = n * cols * 2 + n * d * 4 + d * cols * 2 // _lm_head.DH_PIECES + (16 << 20)
-        temp_bytes = obj(ours).lower(h, w).compile().memory_analysis().temp_size_in_bytes
+        temp_bytes = step.lower(h, w).compile().memory_analysis().temp_size_in_bytes
         assert temp_bytes <= budget, f"temporaries {temp_bytes / 2**30:.3f} GiB > budget " \
             f"{budget / 2**30:.3f} GiB"
 
