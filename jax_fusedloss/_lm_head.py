@@ -224,10 +224,10 @@ def _logits(h, w, b, layout: str):
     return z if b is None else z + b.astype(z.dtype)
 
 
-def _dh(g, w, layout: str):
-    """g [C, V] W^T in float32."""
+def _dh(g, w, layout: str, dtype=jnp.float32):
+    """g [C, V] W^T as `dtype` (float32 arithmetic, rounded once to `dtype`)."""
     contract = ((1,), (1,)) if layout == "dv" else ((1,), (0,))
-    return jax.lax.dot_general(g, w, (contract, ((), ())), preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(g, w, (contract, ((), ())), preferred_element_type=dtype)
 
 
 def _dw(h, g, layout: str, dtype):
@@ -321,7 +321,9 @@ def _token_walk(role: str, op: HeadOp, ce, h, w, b, *rows, vocab_axes=()):
         dh, dw, db = carry[-3:]
         g = outs[-1]
         if dh is not None:
-            dh = _put(dh, start, _dh(g, w, head.layout))
+            # written in dH's dtype by the GEMM (the same one rounding as a float32 product
+            # cast after it), no float32 chunk beside the logits: "low_precision"'s memory
+            dh = _put(dh, start, _dh(g, w, head.layout, dh.dtype))
         if dw is not None:
             dw = dw + _dw(hc, g, head.layout, dw.dtype)
         if db is not None:

@@ -1,11 +1,13 @@
-"""Compiles every kernel launch of the libraries' launch plans (tests/sm90_plans.py) for sm_90
-with the real Triton compiler, and checks that rows whose width V is not a multiple of 16 bytes
-still load and store 16-byte vectors (_online's aligned tile walk).
+"""Compiles the kernel launches of the libraries' launch plans (tests/sm90_plans.py: every
+kernel, every constexpr value and pair of them) for sm_90 with the real Triton compiler, and
+checks that rows whose width V is not a multiple of 16 bytes still load and store 16-byte
+vectors (_online's aligned tile walk).
 
-Run as a script in its own process (TRITON_INTERPRET unset); exits non-zero if any compile
-fails or a vector check fails. The interpreter accepts kernels the compiler rejects; this
-catches them without a GPU. Array arguments are declared 16-byte aligned and scalars without
-divisibility, as jax-triton compiles them.
+Run as a script in its own process (TRITON_INTERPRET unset), for one family of
+sm90_plans.FAMILIES (`python tests/sm90_compile.py kd`) or all of them (no argument); exits
+non-zero if any compile fails or a vector check fails. The interpreter accepts kernels the
+compiler rejects; this catches them without a GPU. Array arguments are declared 16-byte
+aligned and scalars without divisibility, as jax-triton compiles them.
 """
 import os
 import re
@@ -16,6 +18,9 @@ from collections import defaultdict
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.sm90_plans import FAMILIES, specs, twin_key  # noqa: E402
 
 # 128-bit global accesses: ld.global[.nc][.L1::...][.L2::...].v4.b32 (Triton packs 8 halves or
 # 4 floats into 4 32-bit registers), st.global[...].v4.b32.
@@ -50,30 +55,20 @@ def vector_ops(ptx: str) -> tuple[int, int]:
     return len(VECTOR_LOAD.findall(ptx)), len(VECTOR_STORE.findall(ptx))
 
 
-def _twin_key(name, signature, constexprs, num_warps):
-    """A compile's key up to its vocabulary: ALIGN, what the plans choose by alignment
-    (WALK_GATHER: launch.kd_walk_gathers) or by row length without touching the loads and
-    stores (CE_STATS, distill_loss's power form: launch.kd_power) and the split sizes set
-    aside."""
-    rest = tuple(sorted((k, v) for k, v in constexprs.items()
-                        if k not in ("ALIGN", "WALK_GATHER", "CE_STATS", "SPLIT_V", "NUM_SPLITS",
-                                     "BLOCK_S")))
-    return name, tuple(signature.items()), rest, num_warps
-
-
-def vector_problems(results) -> list[str]:
+def vector_problems(results, walkers=ROW_WALKERS) -> list[str]:
     """Checks compiles of unaligned rows (ALIGN below the 16-byte vector width of their
     dtype) against their aligned twins (ALIGN=16, otherwise the same compile): the same
     number of 128-bit loads and stores, and, for each row-walking kernel, some unaligned compile
     with 128-bit loads (and stores where it writes rows). `results`: (kernel name, signature,
-    constexprs, warps, (loads, stores)) of each compile."""
+    constexprs, warps, (loads, stores)) of each compile; `walkers`: the row-walking kernels
+    expected among them."""
     aligned = {}
     unaligned = []
     for name, sig, cx, warps, vec in results:
         if "ALIGN" not in cx:
             continue
         itemsize = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[next(iter(sig.values()))]
-        key = _twin_key(name, sig, cx, warps)
+        key = twin_key(name, sig, cx, warps)
         if cx["ALIGN"] == 16:
             aligned[key] = vec
         elif cx["ALIGN"] < 16 // itemsize:
@@ -89,7 +84,7 @@ def vector_problems(results) -> list[str]:
                             f"{vec} unaligned vs {twin} aligned")
         seen[key[0]][0] += vec[0] > 0
         seen[key[0]][1] += vec[1] > 0
-    for name in ROW_WALKERS:
+    for name in walkers:
         loads, stores = seen[name]
         if not loads or (name in ROW_WRITERS and not stores):
             problems.append(f"{name}: no unaligned compile with 128-bit loads"
@@ -119,14 +114,15 @@ def _check_head_gemm(compiled, num_warps: int) -> None:
         raise AssertionError("no TMA loads or no wgmma in the PTX")
 
 
-def main() -> int:
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.dirname(here))
-    from tests.sm90_plans import specs
-
+def main(family: str | None = None) -> int:
+    todo = list(specs(family))
+    names = {kernel.__name__ for kernel, *_ in todo}
+    # all families: every row walker expected; one: those it compiles (test_compile_sm90
+    # checks that the families together compile every row walker)
+    walkers = ROW_WALKERS if family is None else [n for n in ROW_WALKERS if n in names]
     failures = 0
     results = []
-    for kernel, signature, constexprs, num_warps, maxnreg in specs():
+    for kernel, signature, constexprs, num_warps, maxnreg in todo:
         name = kernel.__name__
         t0 = time.time()
         try:
@@ -142,7 +138,7 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - report every failing kernel, then fail
             failures += 1
             print(f"FAIL {name} {signature} {constexprs}: {type(e).__name__}: {e}", flush=True)
-    problems = vector_problems(results)
+    problems = vector_problems(results, walkers)
     for p in problems:
         print(f"VECTOR {p}")
     print(f"{len(results) + failures} compiles, {failures} failures, "
@@ -151,4 +147,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 1 and sys.argv[1] not in FAMILIES:
+        sys.exit(f"unknown family {sys.argv[1]!r}: one of {', '.join(FAMILIES)}")
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else None))

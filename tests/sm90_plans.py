@@ -2,11 +2,17 @@
 
 Each family's plan function runs over a grid of shapes (the row path at N=8192, the split
 path at N=8, an aligned and an unaligned vocabulary), dtypes and option sets; every distinct
-launch becomes one compile: (kernel, signature, constexprs, warps). Each unaligned compile
+launch is a candidate compile: (kernel, signature, constexprs, warps). Each unaligned compile
 has an aligned twin (same tiles at V=128256 or 32000 and V=50257), against which sm90_compile checks
 its 16-byte vector loads and stores. A signature maps the
 kernel's parameters to types: pointers from the dtypes of the arrays a launch reads or writes,
 Python ints to i32 and floats to fp32, as both executors pass them.
+
+The grids give ~630 distinct launches, most of them the same code paths again (float16 beside
+bfloat16, the same tiles at another vocabulary or option set); `specs` compiles a covering
+subset of each kernel's launches (`covering`): every value of every constexpr, in every tile
+layout the plans use it with and beside every value of every other constexpr, float16 with
+each of them too, and each unaligned compile's aligned twin (~270 compiles).
 """
 from __future__ import annotations
 
@@ -221,14 +227,96 @@ def _head_dw():
                cfg["num_warps"], None)
 
 
-def specs():
-    """Distinct compiles, in a stable order."""
+# Constexprs that only size a loop bound or a merge (the vocabulary slice a program walks, how
+# many partials a row merges): each value compiled once, not in every combination.
+SIZES = ("SPLIT_V", "NUM_SPLITS", "BLOCK_S")
+# What sets a compile's tiles and layouts; with the element width, warps and register cap one
+# factor of `covering`, so each branch compiles in each of them.
+TILES = ("ALIGN", "BLOCK_V", "BLOCK_K", "BLOCK_C", "KEEP")
+# The compile families (tests/test_compile_sm90.py runs one child process each). The LM head's
+# GEMMs are hand-picked already (a dozen) and all compiled.
+FAMILIES = {"ce": (_ce,), "reductions": (_reductions,), "kd": (_kd,), "kd_tail": (_kd_tail,),
+            "head_gemm": (_head_gemm, _head_grad, _head_dw)}
+COVERED = ("ce", "reductions", "kd", "kd_tail")
+
+
+def twin_key(name, signature, constexprs, num_warps):
+    """A compile's key up to its vocabulary: ALIGN, what the plans choose by alignment
+    (WALK_GATHER: launch.kd_walk_gathers) or by row length without touching the loads and
+    stores (CE_STATS, distill_loss's power form: launch.kd_power) and the split sizes set
+    aside."""
+    rest = tuple(sorted((k, v) for k, v in constexprs.items()
+                        if k not in ("ALIGN", "WALK_GATHER", "CE_STATS") + SIZES))
+    return name, tuple(signature.items()), rest, num_warps
+
+
+def launches(family: str | None = None):
+    """Every distinct compile of the plans' grids (of one family, or all), in a stable order."""
     seen = set()
-    for kernel, sig, constexprs, warps, maxnreg in itertools.chain(_ce(), _reductions(), _kd(),
-                                                                       _kd_tail(), _head_gemm(),
-                                                                       _head_grad(), _head_dw()):
+    gens = FAMILIES.values() if family is None else (FAMILIES[family],)
+    for kernel, sig, constexprs, warps, maxnreg in itertools.chain.from_iterable(
+            g() for gs in gens for g in gs):
         key = (kernel.__name__, tuple(sig.items()), tuple(sorted(constexprs.items())), warps,
                maxnreg)
         if key not in seen:
             seen.add(key)
             yield kernel, sig, constexprs, warps, maxnreg
+
+
+def _requirements(spec) -> set:
+    """What one compile covers: each pair of its factors (the tile layout: element width,
+    warps, register cap and TILES; whether it is float16; each other constexpr but SIZES) and
+    each of its SIZES values."""
+    kernel, sig, constexprs, warps, maxnreg = spec
+    dtype = next(iter(sig.values()))
+    factors = {"<layout>": (dtype != "*fp32", warps, maxnreg,
+                            *(constexprs.get(t) for t in TILES)),
+               "<fp16>": dtype == "*fp16"}
+    factors.update((k, v) for k, v in constexprs.items() if k not in TILES + SIZES)
+    items = sorted(factors.items(), key=lambda kv: kv[0])
+    return ({("pair", a, b) for a, b in itertools.combinations(items, 2)}
+            | {("one", a) for a in items}
+            | {("size", k, v) for k, v in constexprs.items() if k in SIZES})
+
+
+def covering(candidates: list) -> list:
+    """A subset of the candidates (one kernel's or many) that covers every requirement of
+    every candidate (`_requirements`, per kernel), each unaligned compile with its aligned
+    twin; greedy (most new requirements per compile first), deterministic, in the candidates'
+    order."""
+    aligned = {}
+    for i, (kernel, sig, cx, warps, _) in enumerate(candidates):
+        if cx.get("ALIGN") == 16:
+            aligned.setdefault(twin_key(kernel.__name__, sig, cx, warps), i)
+
+    def group(i):  # a compile and what must come with it
+        kernel, sig, cx, warps, _ = candidates[i]
+        if "ALIGN" in cx and cx["ALIGN"] < 16:
+            twin = aligned.get(twin_key(kernel.__name__, sig, cx, warps))
+            return (i,) if twin is None else (i, twin)
+        return (i,)
+
+    reqs = [{(c[0].__name__, r) for r in _requirements(c)} for c in candidates]
+    todo = set().union(*reqs) if reqs else set()
+    chosen: set[int] = set()
+    while todo:
+        best, best_gain = None, 0.0
+        for i in range(len(candidates)):
+            if i in chosen:
+                continue
+            new = [j for j in group(i) if j not in chosen]
+            gain = len(set().union(*(reqs[j] for j in new)) & todo) / len(new)
+            if gain > best_gain:
+                best, best_gain = new, gain
+        chosen.update(best)
+        for j in best:
+            todo -= reqs[j]
+    return [candidates[i] for i in sorted(chosen)]
+
+
+def specs(family: str | None = None):
+    """The compiles to run (of one family, or all): `covering` of each covered family's
+    launches, every launch of the others."""
+    for name in FAMILIES if family is None else (family,):
+        candidates = list(launches(name))
+        yield from covering(candidates) if name in COVERED else candidates
