@@ -25,7 +25,10 @@ CHUNK_BUDGET_BYTES = 128 << 20
 # Measured on H100, bf16, N=8192, D=4096, V=128256 ([V, D] weight), fwd+bwd, x the three bare
 # matmuls / XLA temporaries beyond inputs and gradients (benchmarks/results/lm_head_h100.csv,
 # NOTES.md):
-#   "low_precision": C=512 1.23x 0.17 GiB | 768 1.08x 0.24 GiB | 1024 1.10-1.14x 0.31 GiB
+#   "low_precision": C=512 1.23x 0.17 GiB | 768 1.08x 0.24 GiB | 1024 1.10-1.14x 0.31 GiB;
+#                    since dH's chunk is written in bf16 (2026-11-27, one process): 512 1.22x
+#                    0.17 | 640 1.14x 0.19 | 704 1.19x 0.21 | 768 1.14x 0.23 | 832 1.24x 0.24 |
+#                    896 1.17x 0.26 (cuBLAS's kernels favour multiples of 128 rows)
 #   "fast":          C=2048 1.13x 2.04 GiB | 4096 1.08-1.12x 2.08 GiB (the float32 dW dominates)
 #   "lean":          C=768 1.49x 0.30 GiB | 1024 1.50x 0.22 GiB (its backward's blocks hold C * V
 #                    logits with the weight's and dW's blocks: `vocab_block`); 1024 1.52x 0.12
