@@ -78,8 +78,7 @@ y = jax.random.randint(jax.random.key(1), (n,), 0, v)
 lp, ids = jax.lax.top_k(jax.nn.log_softmax(x), 2)
 h = jax.random.normal(jax.random.key(2), (n, d))
 w = jax.random.normal(jax.random.key(3), (d, v))
-impl = sys.argv[2]
-ops = {
+ops = lambda impl: {
     "cross_entropy": lambda x, y, ids, lp: jfl.cross_entropy(
         x, y, reduction="sum", implementation=impl, vocab_axis="model"),
     "token_logprobs": lambda x, y, ids, lp: jfl.token_logprobs(
@@ -93,34 +92,55 @@ ops = {
     "distill_loss": lambda x, y, ids, lp: jfl.distill_loss(
         x, y, ids, lp, alpha=0.5, reduction="sum", implementation=impl, vocab_axis="model"),
 }
-name = sys.argv[1]
-if name == "linear_cross_entropy":
-    args, specs = (h, w, y), (P("data", None), P(None, None), P("data"))
-    op = lambda h, w, y: jfl.linear_cross_entropy(h, w, y, reduction="sum", implementation=impl,
-                                                  vocab_axis="model")
-else:
-    args, specs = (x, y, ids, lp), (P("data", None), P("data"), P("data", None), P("data", None))
-    op = ops[name]
 
-def f(*a):
-    return jax.shard_map(lambda *a: jax.lax.psum(op(*a), "data"), mesh=mesh, in_specs=specs,
-                         out_specs=P(), check_vma=True)(*a)
+def case(name, impl):
+    if name == "linear_cross_entropy":
+        args, specs = (h, w, y), (P("data", None), P(None, None), P("data"))
+        op = lambda h, w, y: jfl.linear_cross_entropy(h, w, y, reduction="sum",
+                                                      implementation=impl, vocab_axis="model")
+    else:
+        args = (x, y, ids, lp)
+        specs = (P("data", None), P("data"), P("data", None), P("data", None))
+        op = ops(impl)[name]
 
-try:
-    jax.jit(jax.value_and_grad(f))(*args)
-    print("NO ERROR")
-except ValueError as e:
-    print("VALUEERROR", e)
+    def f(*a):
+        return jax.shard_map(lambda *a: jax.lax.psum(op(*a), "data"), mesh=mesh,
+                             in_specs=specs, out_specs=P(), check_vma=True)(*a)
+
+    try:
+        jax.jit(jax.value_and_grad(f))(*args)
+        return "NO ERROR"
+    except ValueError as e:
+        return "VALUEERROR " + " ".join(str(e).split())
+    except Exception as e:  # the case fails, the others still run
+        return f"{type(e).__name__} " + " ".join(str(e).split())[:2000]
+
+for name_impl in sys.argv[1:]:  # each case a fresh jit; a trace-time error leaves no state
+    name, impl = name_impl.split(":")
+    print("CASE", name, impl, case(name, impl), flush=True)
 """
 
 OPS = ["cross_entropy", "token_logprobs", "logsumexp", "entropy", "kd_loss", "distill_loss",
        "linear_cross_entropy"]
 
 
-@pytest.mark.parametrize("impl", ["xla", "triton"])
+IMPLS = ["xla", "triton"]
+
+
+@pytest.fixture(scope="module")
+def wrong_axis_results():
+    """{(op, impl): the WRONG_AXIS line} for every case, from one child process (one jax
+    start, not one a case)."""
+    out = _run(WRONG_AXIS, *(f"{op}:{impl}" for op in OPS for impl in IMPLS), timeout=300)
+    lines = [ln.split(" ", 3) for ln in out.splitlines() if ln.startswith("CASE ")]
+    return {(op, impl): rest for _, op, impl, rest in lines}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("op", OPS)
-def test_vocab_axis_the_logits_are_not_split_over_is_an_error(op, impl, interpreter):
-    out = _run(WRONG_AXIS, op, impl)
+def test_vocab_axis_the_logits_are_not_split_over_is_an_error(op, impl, interpreter,
+                                                              wrong_axis_results):
+    out = wrong_axis_results.get((op, impl), "no result")
     assert "VALUEERROR" in out and "vocab_axis=" in out and "'model'" in out, (
         f"{op} ({impl}) with logits not split over vocab_axis='model' should raise a ValueError "
         f"naming vocab_axis, got:\n{out}")
