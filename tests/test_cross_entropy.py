@@ -69,7 +69,7 @@ def test_options_and_reductions(impl, opt, reduction):
     CE.check(impl, "float32", (6, 301), seed=3, reduction=reduction, **OPTIONS[opt])
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_return_lse_is_differentiable(impl, reduction, path):
     CE.check(impl, "bfloat16", (4, 700), seed=5, reduction=reduction, return_lse=True,
@@ -82,7 +82,7 @@ def test_unit_scale_and_large_logits(impl, scale):
     CE.check(impl, "float32", (4, 1000), seed=7, scale=scale, z_loss=1e-4)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_ignored_gives_zero_not_nan(impl, reduction, path):
     outs, grad = CE.check(impl, "bfloat16", (3, 517), seed=9, reduction=reduction,
@@ -115,7 +115,7 @@ def test_matches_optax_and_torch_functional():
     assert_close(got, tf, rtol=2e-6, what="torch_ref vs F.cross_entropy")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 def test_out_of_range_labels_are_nan_and_isolated(impl, path):
     """Labels outside [0, V) give NaN for that token only and never read out of bounds."""
     inputs = CE.inputs(15, (6, 300), "float32", 2.0, {}, frac_ignored=0.0)

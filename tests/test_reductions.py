@@ -70,7 +70,7 @@ def test_grid(impl, path, dtype, shape, op_t):
     OPS[op].check(impl, dtype, shape, temperature=temperature)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 @pytest.mark.parametrize("op", list(OPS))
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_ops_and_temperatures(impl, op, temperature, path):
@@ -140,7 +140,7 @@ def masked_logits(dtype):
     return logits, jnp.asarray([5, 650, 9, 11], jnp.int32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 def test_neg_inf_rows_and_entries(impl, path):
     """All -inf row: lse -inf, entropy and logp NaN, zero gradient; -inf entries add nothing."""
     logits, labels = masked_logits(jnp.bfloat16)
@@ -160,7 +160,7 @@ def test_neg_inf_rows_and_entries(impl, path):
     assert_grad_close(to_numpy(grad)[1:], rgrad, "bfloat16")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@opbase.grid()  # every implementation and launch path (XLA's: one)
 def test_out_of_range_labels(impl, path):
     """NaN log-prob, never an out-of-bounds read; a NaN gradient row only if its cotangent
     is nonzero, so masking with jnp.where gives clean gradients; the entropy is unaffected."""
